@@ -1,0 +1,232 @@
+"""Static configuration: the model's shape (a hashable jit argument) and the engine's knobs.
+
+`ModelConfig` is frozen and hashable so jitted functions can take it as a static argument:
+two configs that compare equal share compiled code. Engine-side configs are plain frozen
+dataclasses read by host code only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1's "llama3" RoPE frequency scaling (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-3 family decoder. Frozen + hashable: usable as a static jit arg."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
+        """K and V of one token over all layers (Llama-3-8B bf16: 131072 B)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+
+_LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, name: str = "hf") -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face config.json (a dict, the file, or its dir)."""
+    if not isinstance(config, Mapping):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"config.json not found: {path}")
+        with open(path) as f:
+            config = json.load(f)
+    archs = tuple(config.get("architectures") or ())
+    model_type = config.get("model_type")
+    if model_type != "llama" or (archs and not any(a in _LLAMA_ARCHITECTURES for a in archs)):
+        raise ValueError(
+            f"config.json field 'architectures'={list(archs)} / 'model_type'={model_type!r}: "
+            "only Llama architectures (LlamaForCausalLM) are supported")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+        if field not in config:
+            raise ValueError(f"config.json is missing field {field!r}")
+    num_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = config.get("head_dim") or hidden // num_heads
+    scaling = None
+    rs = config.get("rope_scaling")
+    rope_theta = config.get("rope_theta")
+    rope_params = config.get("rope_parameters")  # transformers >= 5 style
+    if rope_params and isinstance(rope_params, Mapping):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rs = rope_params
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "llama3":
+            scaling = RopeScaling(
+                factor=float(rs["factor"]),
+                low_freq_factor=float(rs["low_freq_factor"]),
+                high_freq_factor=float(rs["high_freq_factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+        elif kind not in (None, "default"):
+            raise ValueError(f"config.json field 'rope_scaling' type {kind!r} is not supported "
+                             "(supported: default, llama3)")
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling=scaling,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        name=name,
+    )
+
+
+_LLAMA3_8B = ModelConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128001, 128009),
+    name="llama3-8b")
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": dataclasses.replace(
+        _LLAMA3_8B, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072, name="llama3.1-8b"),
+    "llama3-70b": dataclasses.replace(
+        _LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, name="llama3-70b"),
+    # Random-weight stand-in of the embedded model's shape; the trained one ships in
+    # paxkv/assets/tiny and `LLM(model="tiny")` resolves to it when present.
+    "tiny-random": ModelConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+        num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), name="tiny-random"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name == "tiny":
+        from paxkv.assets import tiny_model_dir  # local import: keeps config import light
+        path = tiny_model_dir()
+        if path is not None:
+            return from_hf_config(path, name="tiny")
+        return PRESETS["tiny-random"]
+    if name not in PRESETS:
+        raise ValueError(f"model {name!r} is not a preset ({sorted(PRESETS) + ['tiny']}) "
+                         "nor a checkpoint directory")
+    return PRESETS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """KV page pool. num_gpu_blocks_override wins; else profile the accelerator's memory."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    # On CPU there is no device memory to profile: this many blocks unless overridden.
+    cpu_default_num_blocks: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be >= 2 (block 0 is the null block)")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level batching limits and the policy (continuous or the static baseline)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    policy: str = "continuous"  # or "static"
+    preemption_mode: str = "recompute"  # or "swap"
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new prefills
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    dtype: str = "bfloat16"
+    attention_backend: str = "auto"  # "reference", "pallas", or "auto" (pallas on GPU)
+    tensor_parallel_size: int = 1
+    seed: int = 0
