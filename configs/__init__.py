@@ -1,0 +1,1 @@
+"""Experiment, model and engine settings, as Python modules (importable with PYTHONPATH=.)."""

@@ -1,0 +1,1 @@
+"""Paper-style experiments: absl programs, one per table or figure of the PagedAttention paper."""

@@ -1,0 +1,294 @@
+"""Decode paged attention for GPUs in Pallas (Triton lowering): one query token per sequence.
+
+Structure: `_decode_kernel` (one program = one sequence x one KV head x one split of its
+pages) -> `_decode_call` (grid, BlockSpecs, pallas_call) -> `paged_attention` (public,
+jitted, static tuning arguments, split combine).
+
+Why it is shaped this way:
+- GQA packing: the `group` query heads that share a KV head live in one program as rows of
+  a `[rows, d]` tile (rows = group padded up to the 16 a tensor-core dot needs), so every
+  K/V page of that head is read from memory exactly once per sequence.
+- Several pages per loop step (`pages_per_compute_block`): one step gathers
+  `block_k = pages_per_compute_block * block_size` tokens through the block table, enough
+  bytes in flight per program to approach the memory bandwidth.
+- Split-K (flash-decoding): with few sequences or long contexts the `batch x kv_heads`
+  programs cannot fill the GPU, so each sequence's pages are cut into `num_splits` ranges
+  processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
+  small combine rescales and sums them.
+- fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
+- Masked loads: tokens past the context length are neither read nor counted, so stale or
+  non-finite page contents past the end never reach the output.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention import paging
+
+LOG2E = 1.4426950408889634
+LAYOUTS = ("blocks_first", "heads_first")
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
+                   pages_per_compute_block: int, pages_per_split: int, group: int,
+                   rows: int, scale: float, quantized: bool, num_splits: int):
+    """One (sequence, kv head, split): online softmax over that split's pages."""
+    if quantized:
+        ks_ref, vs_ref, *out_refs = refs
+    else:
+        ks_ref = vs_ref = None
+        out_refs = refs
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = q_ref.shape[-1]
+    block_k = block_size * pages_per_compute_block
+    length = lens_ref[b]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    q_rows = h * group + jnp.minimum(r, group - 1)     # padding rows repeat the last head
+    q = q_ref[q_rows[:, None], cols]
+    compute_dtype = q.dtype
+    precision = paging.dot_precision(compute_dtype)
+
+    first_page = s * pages_per_split
+    last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
+    num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
+    qk_scale = scale * LOG2E
+
+    def body(i, carry):
+        acc, m, l = carry
+        page0 = first_page + i * pages_per_compute_block
+        slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
+        valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
+        k = paging.load_tokens(k_ref, slots, valid, head_dim).astype(compute_dtype)
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)
+        if quantized:
+            logits = logits * paging.load_scales(ks_ref, slots, valid)[None, :]
+        logits = jnp.where(valid[None, :], logits * qk_scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))   # finite: every step has a token
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(logits - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        if quantized:
+            p = p * paging.load_scales(vs_ref, slots, valid)[None, :]
+        v = paging.load_tokens(v_ref, slots, valid, head_dim).astype(compute_dtype)
+        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, num_iters, body, init)
+
+    has_keys = l > 0
+    out = acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]
+    out_rows = h * group + r                            # distinct; masked past the group
+    row_mask = r < group
+    o_ref = out_refs[0]
+    plgpu.store(o_ref.at[out_rows[:, None], cols], out.astype(o_ref.dtype),
+                mask=jnp.broadcast_to(row_mask[:, None], (rows, head_dim)))
+    if num_splits > 1:
+        lse_ref = out_refs[1]
+        lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)) * LOG2E, -jnp.inf)
+        plgpu.store(lse_ref.at[out_rows], lse, mask=row_mask)
+
+
+def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge split partials `[B, S, Hq, d]` (normalized) with base-2 LSEs `[B, S, Hq]`."""
+    mx = jnp.max(lse, axis=1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp2(lse - mx)                              # empty splits: exp2(-inf) = 0
+    den = jnp.sum(w, axis=1)
+    num = jnp.sum(o_part * w[..., None], axis=1)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
+                      pages_per_compute_block: int, num_sms: int = 132,
+                      programs_per_sm: int = 4) -> int:
+    """Split count so `batch * kv_heads * splits` fills the GPU a few programs deep,
+    while each split keeps at least two loop steps of pages (power of two, >= 1)."""
+    programs = batch * num_kv_heads
+    want = _cdiv(num_sms * programs_per_sm, max(programs, 1))
+    cap = max(1, max_pages // (2 * pages_per_compute_block))
+    splits = 1
+    while splits * 2 <= min(want, cap):
+        splits *= 2
+    return splits
+
+
+def default_pages_per_compute_block(block_size: int) -> int:
+    """About 128 tokens per loop step (and at least the 16 a dot needs)."""
+    return max(1, 128 // block_size, 16 // block_size)
+
+
+def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
+    """`[nb, bs, H, d]` -> `[nb*bs, H, d]` or `[H, nb, bs, d]` -> `[H, nb*bs, d]` (a bitcast)."""
+    if layout == "blocks_first":
+        nb, bs = pages.shape[:2]
+        return pages.reshape(nb * bs, *pages.shape[2:])
+    h, nb, bs = pages.shape[:3]
+    return pages.reshape(h, nb * bs, *pages.shape[3:])
+
+
+def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
+                 num_kv_heads, pages_per_compute_block, pages_per_split, num_splits, scale,
+                 num_warps, num_stages, interpret):
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    rows = max(16, paging.next_power_of_two(group))
+    quantized = ks_tok is not None
+    width = block_tables.shape[1]
+    num_tokens = k_tok.shape[0] if layout == "blocks_first" else k_tok.shape[1]
+
+    if layout == "blocks_first":
+        kv_spec = pl.BlockSpec((num_tokens, None, head_dim), lambda b, h, s: (0, h, 0))
+        scale_spec = pl.BlockSpec((num_tokens, None), lambda b, h, s: (0, h))
+    else:
+        kv_spec = pl.BlockSpec((None, num_tokens, head_dim), lambda b, h, s: (h, 0, 0))
+        scale_spec = pl.BlockSpec((None, num_tokens), lambda b, h, s: (h, 0))
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),
+        pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
+        pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),
+        kv_spec, kv_spec,
+    ]
+    args = [lengths, block_tables, q, k_tok, v_tok]
+    if quantized:
+        in_specs += [scale_spec, scale_spec]
+        args += [ks_tok, vs_tok]
+
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype)]
+        out_specs = [pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((batch, num_splits, num_heads, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, num_splits, num_heads), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, num_heads, head_dim), lambda b, h, s: (b, s, 0, 0)),
+                     pl.BlockSpec((None, None, num_heads), lambda b, h, s: (b, s, 0))]
+
+    kernel = functools.partial(
+        _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
+        pages_per_split=pages_per_split, group=group, rows=rows, scale=scale,
+        quantized=quantized, num_splits=num_splits)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paxkv_paged_decode_bs{block_size}_ppcb{pages_per_compute_block}_s{num_splits}",
+    )(*args)
+    if num_splits == 1:
+        return outs[0]
+    return combine_splits(outs[0], outs[1]).astype(q.dtype)
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"pages_layout must be one of {LAYOUTS}, got {layout!r}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must be equal 4-D shapes, got {k_pages.shape} "
+                         f"and {v_pages.shape}")
+    if layout == "blocks_first":
+        num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    else:
+        num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
+    batch, num_heads, q_dim = q.shape
+    if q_dim != head_dim:
+        raise ValueError(f"q head_dim {q_dim} != k_pages head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q_heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    if not paging.is_power_of_two(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not paging.is_power_of_two(block_size):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got "
+                         f"{block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
+        raise ValueError(f"context_lens must be int32 [batch={batch}], got "
+                         f"{context_lens.dtype}{list(context_lens.shape)}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    if k_scale is not None:
+        want = k_pages.shape[:3]
+        if k_scale.shape != want or v_scale.shape != want:
+            raise ValueError(f"k_scale/v_scale must have shape {want}, got {k_scale.shape} "
+                             f"and {v_scale.shape}")
+    return batch, num_heads, head_dim, num_kv_heads, block_size
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
+    "pages_layout", "interpret"))
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    block_tables: jax.Array, context_lens: jax.Array,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
+                    scale: float | None = None, pages_per_compute_block: int | None = None,
+                    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                    pages_layout: str = "blocks_first", interpret: bool = False) -> jax.Array:
+    """Decode attention of one query token per sequence over its paged KV cache.
+
+    Args:
+      q: `[batch, q_heads, head_dim]`, the new token of each sequence.
+      k_pages, v_pages: one layer's pool pages, `[num_blocks, block_size, kv_heads, head_dim]`
+        ("blocks_first", the KV pool's layout) or `[kv_heads, num_blocks, block_size,
+        head_dim]` ("heads_first").
+      block_tables: int32 `[batch, max_blocks]`, physical page of each logical page.
+      context_lens: int32 `[batch]`, keys to attend to (0 -> output 0).
+      k_scale, v_scale: optional per-token dequantization scales shaped like the pages
+        without `head_dim` (quantized fp8/int8 pools).
+      scale: softmax scale (default `head_dim ** -0.5`).
+      pages_per_compute_block: pages gathered per loop step (default ~128 tokens).
+      num_splits: split-K count (default from batch, heads and `max_blocks`).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas interpret mode (CPU tests).
+    Returns:
+      `[batch, q_heads, head_dim]` in `q.dtype`.
+    """
+    batch, _, head_dim, num_kv_heads, block_size = _check_inputs(
+        q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, pages_layout)
+    if scale is None:
+        scale = head_dim ** -0.5
+    ppcb = pages_per_compute_block or default_pages_per_compute_block(block_size)
+    if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
+        raise ValueError(f"pages_per_compute_block must be a power of two with "
+                         f"block_size * pages_per_compute_block >= 16, got {ppcb}")
+    max_pages = block_tables.shape[1]
+    splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    pages_per_split = _cdiv(_cdiv(max_pages, splits), ppcb) * ppcb
+    splits = _cdiv(max_pages, pages_per_split)          # drop splits that would be empty
+    width = splits * pages_per_split
+    if width > max_pages:                               # pad with the null block
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
+
+    def to_tok(x):
+        return None if x is None else _pages_to_tokens(x, pages_layout)
+
+    return _decode_call(
+        q, to_tok(k_pages), to_tok(v_pages), to_tok(k_scale), to_tok(v_scale), block_tables,
+        context_lens, layout=pages_layout, block_size=block_size, num_kv_heads=num_kv_heads,
+        pages_per_compute_block=ppcb, pages_per_split=pages_per_split, num_splits=splits,
+        scale=float(scale), num_warps=num_warps, num_stages=num_stages, interpret=interpret)

@@ -1,0 +1,61 @@
+"""In-kernel helpers shared by the paged kernels: page -> token slot arithmetic, row gathers.
+
+Both kernels see one layer's pages flattened to tokens, `[num_blocks * block_size, d]` for
+one KV head (the head is squeezed away by the BlockSpec), and read a block of `block_k`
+consecutive logical tokens of a sequence by gathering through its block table. Every load
+and store here indexes with arrays on every axis: that form lowers to Triton pointer
+tensors and also runs in Pallas interpret mode (which cannot mix array and slice indices).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def token_slots(table_ref, row: jax.Array | None, first_page: jax.Array, block_k: int,
+                block_size: int) -> jax.Array:
+    """Flat pool slots of the `block_k` tokens starting at logical page `first_page`.
+
+    `table_ref` is one sequence's block table (1-D, `row=None`) or all of them (2-D, `row`
+    picks the sequence). Each token reads its page id; consecutive tokens hit the same
+    entry, which the cache serves.
+    """
+    j = jnp.arange(block_k, dtype=jnp.int32)
+    page_idx = first_page + j // block_size
+    pages = table_ref[page_idx] if row is None else table_ref[row, page_idx]
+    return pages * block_size + j % block_size
+
+
+def load_tokens(ref, slots: jax.Array, valid: jax.Array | None, head_dim: int) -> jax.Array:
+    """Gather rows `slots` of a `[tokens, d]` ref -> `[len(slots), d]`; invalid rows read 0."""
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    if valid is None:
+        return plgpu.load(ref.at[slots[:, None], cols])
+    if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
+        # Triton cannot splat a fill value into fp8: load (slots are always in bounds:
+        # padding pages are the null block) and zero the invalid rows afterwards.
+        x = plgpu.load(ref.at[slots[:, None], cols]).astype(jnp.float32)
+        return jnp.where(valid[:, None], x, 0.0)
+    mask = jnp.broadcast_to(valid[:, None], (slots.shape[0], head_dim))
+    return plgpu.load(ref.at[slots[:, None], cols], mask=mask, other=0)
+
+
+def load_scales(ref, slots: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Gather per-token dequantization scales of a `[tokens]` ref (invalid -> 0)."""
+    if valid is None:
+        return plgpu.load(ref.at[slots]).astype(jnp.float32)
+    return plgpu.load(ref.at[slots], mask=valid, other=0).astype(jnp.float32)
+
+
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """fp32 operands get exact (IEEE) products on the GPU; bf16/fp16 use the default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

@@ -1,0 +1,278 @@
+"""Ragged paged attention (prefill, chunked prefill, mixed batches) in Pallas (Triton lowering).
+
+The new tokens of many sequences are concatenated, `q: [T, q_heads, d]`, delimited by
+`cu_q_lens`. Query `i` of sequence `s` sits at position `context_lens[s] - q_len_s + i` and
+attends to every key at a position `<=` its own; the new tokens' K/V are already in the
+pages (the model writes before it attends), so cached context and the causal part of the
+chunk are read the same way, through the block table.
+
+Structure: `_ragged_kernel` (one program = one tile of `block_q` query tokens of one
+sequence x one KV head) -> `_ragged_call` (work list, grid, BlockSpecs) ->
+`ragged_paged_attention` (public, jitted, static tuning arguments).
+
+Why it is shaped this way:
+- Work list: tiles never straddle two sequences. A small jnp prologue turns `cu_q_lens` into
+  a list of (sequence, tile) items, at most `cdiv(T, block_q) + S + 1` of them (a static
+  grid); unused items exit at once. Tiles of one sequence run last-first, so the longest
+  (causal) tiles start early.
+- Padding tokens past `cu_q_lens[-1]` form one extra pseudo-sequence with no keys: its
+  tiles write zeros, so every output row is written and finite without a memset.
+- GQA packing: a tile's rows are `block_q` tokens x the `group` query heads of one KV head
+  (row = token * group + head), so each K/V page is read once per tile, and the dots are
+  `[block_q * group, d] x [d, block_k]`, tall enough for the tensor cores.
+- Two loops: key blocks entirely at or before the tile's first query need no mask; only the
+  last one or two blocks (the causal diagonal) are masked.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention import paging
+
+LOG2E = 1.4426950408889634
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_ref, k_ref,
+                   v_ref, *refs, block_size: int, pages_per_compute_block: int, block_q: int,
+                   group: int, scale: float, quantized: bool):
+    if quantized:
+        ks_ref, vs_ref, o_ref = refs
+    else:
+        ks_ref = vs_ref = None
+        (o_ref,) = refs
+    w, h = pl.program_id(0), pl.program_id(1)
+    num_tokens, _, head_dim = q_ref.shape
+    rows = max(16, paging.next_power_of_two(block_q * group))
+    block_k = block_size * pages_per_compute_block
+    seq = work_seq_ref[w]
+
+    @pl.when(seq >= 0)
+    def _():
+        tile = work_tile_ref[w]
+        seq_start = cu_ref[seq]
+        q_end = cu_ref[seq + 1]
+        q_len = q_end - seq_start
+        ctx = lens_ref[seq]
+        tile_start = seq_start + tile * block_q
+        first_pos = ctx - q_len + tile * block_q         # position of the tile's first token
+
+        r = jnp.arange(rows, dtype=jnp.int32)
+        tok = tile_start + r // group
+        head = h * group + r % group
+        row_valid = (tok < q_end) & (r < block_q * group)
+        q_pos = first_pos + r // group
+        cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+        tok_c = jnp.minimum(tok, num_tokens - 1)
+        q = q_ref[tok_c[:, None], head[:, None], cols]      # [rows, d]
+        compute_dtype = q.dtype
+        precision = paging.dot_precision(compute_dtype)
+        qk_scale = scale * LOG2E
+
+        n_tok = jnp.minimum(block_q, q_end - tile_start)
+        kv_end = jnp.clip(first_pos + n_tok, 0, ctx)         # keys the tile may see
+        n_full = jnp.clip(first_pos + 1, 0, kv_end) // block_k
+        n_all = _cdiv(kv_end, block_k)
+
+        def step(kb, carry, masked: bool):
+            acc, m, l = carry
+            page0 = kb * pages_per_compute_block
+            slots = paging.token_slots(table_ref, seq, page0, block_k, block_size)
+            k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            in_range = (k_pos < kv_end) if masked else None
+            k = paging.load_tokens(k_ref, slots, in_range, head_dim).astype(compute_dtype)
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
+            if quantized:
+                s = s * paging.load_scales(ks_ref, slots, in_range)[None, :]
+            s = s * qk_scale
+            if masked:
+                visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows that see nothing yet
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - m_safe[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            if quantized:
+                p = p * paging.load_scales(vs_ref, slots, in_range)[None, :]
+            v = paging.load_tokens(v_ref, slots, in_range, head_dim).astype(compute_dtype)
+            pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            return acc * alpha[:, None] + pv, m_new, l
+
+        init = (jnp.zeros((rows, head_dim), jnp.float32),
+                jnp.full((rows,), -jnp.inf, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
+        acc, _, l = lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), carry)
+
+        has_keys = l > 0
+        out = acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]
+        plgpu.store(o_ref.at[tok[:, None], head[:, None], cols], out.astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(row_valid[:, None], (rows, head_dim)))
+
+
+def build_work_list(cu_q_lens: jax.Array, num_tokens: int, block_q: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sequence, tile) of every grid item, padding tokens as one last pseudo-sequence.
+
+    Returns `cu` `[S + 2]` (cu_q_lens with `num_tokens` appended), `work_seq` `[W]` (-1 for
+    unused items) and `work_tile` `[W]`, `W = cdiv(T, block_q) + S + 1` (static).
+    """
+    num_seqs = cu_q_lens.shape[0] - 1
+    cu = jnp.concatenate([cu_q_lens.astype(jnp.int32), jnp.full((1,), num_tokens, jnp.int32)])
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+    tiles = _cdiv(q_lens, block_q)
+    ends = jnp.cumsum(tiles)
+    num_items = _cdiv(num_tokens, block_q) + num_seqs + 1
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
+    seq_c = jnp.minimum(seq, num_seqs)
+    within = w - (ends[seq_c] - tiles[seq_c])
+    tile = tiles[seq_c] - 1 - within                    # last tile of a sequence first
+    used = w < ends[-1]
+    return cu, jnp.where(used, seq_c, -1), jnp.where(used, tile, 0).astype(jnp.int32)
+
+
+def _ragged_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, context_lens, cu_q_lens, *,
+                 block_size, num_kv_heads, block_q, pages_per_compute_block, scale, num_warps,
+                 num_stages, interpret):
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    quantized = ks_tok is not None
+    num_seqs = context_lens.shape[0]
+    cu, work_seq, work_tile = build_work_list(cu_q_lens, num_tokens, block_q)
+    lens = jnp.concatenate([context_lens, jnp.zeros((1,), jnp.int32)])   # pseudo-seq: no keys
+    table = jnp.pad(block_tables, ((0, 1), (0, 0)))
+    width = table.shape[1]
+    pad = (-width) % pages_per_compute_block
+    if pad:
+        table = jnp.pad(table, ((0, 0), (0, pad)))
+    num_items = work_seq.shape[0]
+    pool_tokens = k_tok.shape[0]
+
+    def full(shape):
+        return pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))
+
+    kv_spec = pl.BlockSpec((pool_tokens, None, head_dim), lambda w, h: (0, h, 0))
+    in_specs = [full((num_items,)), full((num_items,)), full((num_seqs + 2,)),
+                full((num_seqs + 1,)), full(table.shape), full(q.shape), kv_spec, kv_spec]
+    args = [work_seq, work_tile, cu, lens, table, q, k_tok, v_tok]
+    if quantized:
+        scale_spec = pl.BlockSpec((pool_tokens, None), lambda w, h: (0, h))
+        in_specs += [scale_spec, scale_spec]
+        args += [ks_tok, vs_tok]
+    kernel = functools.partial(
+        _ragged_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
+        block_q=block_q, group=group, scale=scale, quantized=quantized)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_items, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=full(q.shape),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paxkv_ragged_paged_bq{block_q}_bs{block_size}_ppcb{pages_per_compute_block}",
+    )(*args)
+
+
+def default_block_q(group: int) -> int:
+    """Query tokens per tile: about 128 rows of (token, head) pairs."""
+    return max(1, 128 // group)
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, k_scale,
+                  v_scale):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must be equal 4-D shapes, got {k_pages.shape} "
+                         f"and {v_pages.shape}")
+    _, block_size, num_kv_heads, head_dim = k_pages.shape
+    _, num_heads, q_dim = q.shape
+    if q_dim != head_dim:
+        raise ValueError(f"q head_dim {q_dim} != k_pages head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q_heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    if not paging.is_power_of_two(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not paging.is_power_of_two(block_size):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32 [num_seqs, max_blocks], got "
+                         f"{block_tables.dtype}{list(block_tables.shape)}")
+    num_seqs = block_tables.shape[0]
+    if context_lens.shape != (num_seqs,) or context_lens.dtype != jnp.int32:
+        raise ValueError(f"context_lens must be int32 [num_seqs={num_seqs}], got "
+                         f"{context_lens.dtype}{list(context_lens.shape)}")
+    if cu_q_lens.shape != (num_seqs + 1,) or cu_q_lens.dtype != jnp.int32:
+        raise ValueError(f"cu_q_lens must be int32 [num_seqs + 1={num_seqs + 1}], got "
+                         f"{cu_q_lens.dtype}{list(cu_q_lens.shape)}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    if k_scale is not None:
+        want = k_pages.shape[:3]
+        if k_scale.shape != want or v_scale.shape != want:
+            raise ValueError(f"k_scale/v_scale must have shape {want}, got {k_scale.shape} "
+                             f"and {v_scale.shape}")
+    return head_dim, num_heads, num_kv_heads, block_size
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "block_q", "pages_per_compute_block", "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, context_lens: jax.Array,
+                           cu_q_lens: jax.Array, k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None, *, scale: float | None = None,
+                           block_q: int | None = None,
+                           pages_per_compute_block: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
+
+    Args:
+      q: `[T, q_heads, head_dim]`, the new tokens of all sequences concatenated.
+      k_pages, v_pages: one layer's pages `[num_blocks, block_size, kv_heads, head_dim]`,
+        already holding these tokens' K/V.
+      block_tables: int32 `[S, max_blocks]`; context_lens: int32 `[S]` (keys after the
+        write); cu_q_lens: int32 `[S + 1]`, `cu_q_lens[0] == 0`, nondecreasing.
+      k_scale, v_scale: optional per-token scales `[num_blocks, block_size, kv_heads]`.
+      scale: softmax scale (default `head_dim ** -0.5`).
+      block_q: query tokens per tile (default `128 // group`, at least 1).
+      pages_per_compute_block: pages per key block (default ~64 tokens).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: Pallas interpret mode (CPU tests).
+    Returns:
+      `[T, q_heads, head_dim]` in `q.dtype`; rows past `cu_q_lens[-1]` are zeros.
+    """
+    head_dim, num_heads, num_kv_heads, block_size = _check_inputs(
+        q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, k_scale, v_scale)
+    group = num_heads // num_kv_heads
+    if scale is None:
+        scale = head_dim ** -0.5
+    bq = block_q or default_block_q(group)
+    if bq < 1:
+        raise ValueError(f"block_q must be >= 1, got {bq}")
+    ppcb = pages_per_compute_block or max(1, 64 // block_size)
+    if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
+        raise ValueError(f"pages_per_compute_block must be a power of two with "
+                         f"block_size * pages_per_compute_block >= 16, got {ppcb}")
+
+    def to_tok(x):
+        return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return _ragged_call(
+        q, to_tok(k_pages), to_tok(v_pages), to_tok(k_scale), to_tok(v_scale), block_tables,
+        context_lens, cu_q_lens, block_size=block_size, num_kv_heads=num_kv_heads,
+        block_q=bq, pages_per_compute_block=ppcb, scale=float(scale), num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)

@@ -1,0 +1,42 @@
+"""jnp reference for ragged paged attention: per-token gather of its sequence's pages."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                     block_tables: jax.Array, context_lens: jax.Array,
+                                     cu_q_lens: jax.Array, k_scale: jax.Array | None = None,
+                                     v_scale: jax.Array | None = None, *,
+                                     scale: float | None = None) -> jax.Array:
+    """Same contract as `ragged_paged_attention` (rows past `cu_q_lens[-1]` are zeros)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    num_seqs = block_tables.shape[0]
+    scale = head_dim ** -0.5 if scale is None else scale
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right")
+    real = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = context_lens[seq] - q_len + (t - cu_q_lens[seq])
+    k = k_pages[block_tables].astype(jnp.float32)        # [S, pages, bs, H, d]
+    v = v_pages[block_tables].astype(jnp.float32)
+    if k_scale is not None:
+        k = k * k_scale[block_tables][..., None].astype(jnp.float32)
+        v = v * v_scale[block_tables][..., None].astype(jnp.float32)
+    length = block_tables.shape[1] * block_size
+    k = k.reshape(num_seqs, length, num_kv_heads, head_dim)[seq]
+    v = v.reshape(num_seqs, length, num_kv_heads, head_dim)[seq]
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    s = jnp.einsum("thgd,tlhd->thgl", qg, k, precision="highest") * scale
+    key = jnp.arange(length, dtype=jnp.int32)[None, :]
+    visible = (key <= pos[:, None]) & (key < context_lens[seq][:, None]) & real[:, None]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("thgl,tlhd->thgd", p, v, precision="highest") / jnp.where(den > 0, den, 1.0)
+    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

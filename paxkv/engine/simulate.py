@@ -1,0 +1,198 @@
+"""Run the scheduler and block manager against a model of the KV pool's contents, no model.
+
+`KVContentModel` stands in for the device (and host) pool: every slot records which token
+prefix its K/V would encode (a chained hash of token_ids[:p + 1], since a transformer's K/V
+at position p depend on the whole prefix). Executing a `SchedulerOutput` on it (swaps,
+copies, then the chunks' writes) and checking every read catches any bookkeeping error that
+would make the real model attend to wrong or stale K/V: a missed copy-on-write, a cached
+block reused for the wrong prefix, a block freed while still in use, a bad swap map.
+
+`simulate()` drives a whole workload with fake sampled tokens. Tests use it; so can studies
+of scheduling policies (memory use, preemptions, batch sizes) that need no device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable
+
+from paxkv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from paxkv.engine.sequence import Sequence, SequenceStatus
+
+
+def prefix_ids(token_ids: list[int]) -> list[int]:
+    """Identity of each position's K/V: a chained hash of the prefix ending there."""
+    out = []
+    h = 0
+    for t in token_ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class KVContentModel:
+    """What each device / host block slot holds; raises AssertionError on a wrong read."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
+
+    def apply_copies(self, out: SchedulerOutput) -> None:
+        """Swap-out, then swap-in, then copy-on-write: the order the device runs them in."""
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.device[d])
+        for h, d in out.blocks_to_swap_in:
+            self.device[d] = list(self.host[h])
+        for src, dst in out.blocks_to_copy:
+            if src == dst:
+                raise AssertionError(f"copy-on-write from block {src} onto itself")
+            self.device[dst] = list(self.device[src])
+
+    def run_chunk(self, chunk: ScheduledChunk, ids: list[int] | None = None) -> None:
+        """Check the context the chunk attends to, then write its new tokens."""
+        seq, bs = chunk.seq, self.block_size
+        end = chunk.start + chunk.num_tokens
+        if chunk.start != seq.num_computed_tokens:
+            raise AssertionError(f"chunk of seq {seq.seq_id} starts at {chunk.start}, "
+                                 f"computed {seq.num_computed_tokens}")
+        if end > seq.num_tokens or chunk.num_tokens < 1:
+            raise AssertionError(f"chunk of seq {seq.seq_id} [{chunk.start}, {end}) is out of range")
+        if chunk.needs_sample != (end == seq.num_tokens):
+            raise AssertionError(f"chunk of seq {seq.seq_id}: needs_sample is wrong")
+        if len(seq.block_table) * bs < end:
+            raise AssertionError(f"seq {seq.seq_id}: table covers {len(seq.block_table) * bs} < {end}")
+        ids = prefix_ids(seq.token_ids) if ids is None else ids
+        table = seq.block_table
+        for p in range(chunk.start):
+            got = self.device[table[p // bs]][p % bs]
+            if got != ids[p]:
+                raise AssertionError(f"seq {seq.seq_id} reads wrong K/V at position {p} "
+                                     f"(block {table[p // bs]})")
+        for p in range(chunk.start, end):
+            block = table[p // bs]
+            if block == 0:
+                raise AssertionError(f"seq {seq.seq_id} writes into the null block")
+            self.device[block][p % bs] = ids[p]
+
+    def check_sequence(self, seq: Sequence) -> None:
+        """Every computed position of a device-resident sequence holds its own K/V."""
+        bs = self.block_size
+        ids = prefix_ids(seq.token_ids)
+        pool = self.host if seq.status is SequenceStatus.SWAPPED else self.device
+        for p in range(seq.num_computed_tokens):
+            if pool[seq.block_table[p // bs]][p % bs] != ids[p]:
+                raise AssertionError(f"seq {seq.seq_id} ({seq.status.name}) lost its K/V at "
+                                     f"position {p}")
+
+
+@dataclasses.dataclass
+class SimRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int           # outputs per sequence before it finishes (length)
+    n: int = 1                # sequences forked after the prompt's prefill
+    arrival_step: int = 0     # the step at which it is added
+
+
+@dataclasses.dataclass
+class SimResult:
+    steps: int
+    outputs: dict[str, list[list[int]]]        # request id -> output tokens of each sequence
+    max_running: int
+    num_preemptions: int
+    num_batched_tokens: list[int]
+    used_blocks: list[int]                      # physical blocks in use after each schedule
+    logical_blocks: list[int]                   # blocks the same sequences need unshared
+
+
+def fake_token(branch: tuple[int, int], seq: Sequence, vocab: int) -> int:
+    """A deterministic "sample" of (request, branch) given the tokens so far.
+
+    Independent of seq ids and of scheduling, so every policy must produce the same outputs.
+    """
+    return hash((branch, len(seq.token_ids), seq.token_ids[-1])) % vocab
+
+
+def simulate(scheduler: Scheduler, requests: list[SimRequest], vocab: int = 50,
+             max_steps: int = 100_000, check: bool = True, abort: dict[str, int] | None = None,
+             seed: int = 0,
+             observe: Callable[[Scheduler, SchedulerOutput, list[Sequence]], None] | None = None,
+             ) -> SimResult:
+    """Serve `requests` to completion with fake tokens, checking the KV contents each step.
+
+    `abort` maps request id ("r<index>") -> step at which the request is aborted.
+    `observe(scheduler, output, running_before)` is called after every `schedule()` with
+    the sequences that were running before it.
+    """
+    bm = scheduler.block_manager
+    model = KVContentModel(bm.num_blocks, bm.block_size, bm.num_host_blocks) if check else None
+    rng = random.Random(seed)
+    abort = dict(abort or {})
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    targets: dict[int, int] = {}
+    branch: dict[int, tuple[int, int]] = {}  # seq id -> (request index, fork index)
+    all_seqs: dict[str, list[Sequence]] = {}
+    next_id = 0
+    result = SimResult(0, {}, 0, 0, [], [], [])
+    step = 0
+    while pending or scheduler.has_unfinished():
+        if step >= max_steps:
+            raise AssertionError(f"simulation did not finish in {max_steps} steps")
+        while pending and requests[pending[0]].arrival_step <= step:
+            i = pending.pop(0)
+            r = requests[i]
+            seq = Sequence(next_id, f"r{i}", r.prompt_token_ids, None, float(r.arrival_step),
+                           fanout=r.n)
+            next_id += 1
+            targets[seq.seq_id] = r.max_tokens
+            branch[seq.seq_id] = (i, 0)
+            all_seqs[seq.request_id] = [seq]
+            scheduler.add_seq(seq)
+        for rid, at in list(abort.items()):
+            if at <= step and rid in all_seqs:
+                scheduler.abort_request(rid)
+                del abort[rid]
+        running_before = scheduler.running_seqs if observe else []
+        out = scheduler.schedule()
+        if observe:
+            observe(scheduler, out, running_before)
+        result.used_blocks.append(bm.num_used_blocks)
+        result.logical_blocks.append(bm.logical_blocks_in_use())
+        result.num_batched_tokens.append(out.num_batched_tokens)
+        result.max_running = max(result.max_running, scheduler.num_running)
+        if check:
+            model.apply_copies(out)
+            for c in out.chunks:
+                model.run_chunk(c)
+        scheduler.on_step_done(out)
+        for c in out.chunks:
+            seq = c.seq
+            if not c.needs_sample or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_output_tokens == 0 and seq.fanout > 1:
+                for k in range(1, seq.fanout):
+                    child = scheduler.fork(seq, next_id)
+                    next_id += 1
+                    targets[child.seq_id] = targets[seq.seq_id]
+                    branch[child.seq_id] = (branch[seq.seq_id][0], k)
+                    all_seqs[seq.request_id].append(child)
+                    child.append_token(fake_token(branch[child.seq_id], child, vocab), -rng.random())
+                    _maybe_finish(scheduler, child, targets)
+            seq.append_token(fake_token(branch[seq.seq_id], seq, vocab), -rng.random())
+            _maybe_finish(scheduler, seq, targets)
+        if check:
+            for s in scheduler.running_seqs + scheduler.swapped_seqs:
+                model.check_sequence(s)
+            bm.check_invariants()
+        step += 1
+    result.steps = step
+    result.num_preemptions = scheduler.num_preemptions
+    result.outputs = {rid: [s.output_token_ids for s in seqs] for rid, seqs in all_seqs.items()}
+    return result
+
+
+def _maybe_finish(scheduler: Scheduler, seq: Sequence, targets: dict[int, int]) -> None:
+    if seq.num_output_tokens >= targets[seq.seq_id]:
+        scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    elif seq.num_tokens >= scheduler.cfg.max_model_len:
+        scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)

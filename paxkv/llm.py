@@ -1,0 +1,478 @@
+"""LLM (offline API) and LLMEngine (add_request / step / abort), vLLM's shapes.
+
+The engine is host code: it validates requests, asks the scheduler what to run, hands the
+runner padded work, and turns sampled ids into sequences, stop decisions and outputs.
+Parallel samples (n, best_of) are forks of one prefilled prompt that share its blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import random
+import time
+from typing import Any, Iterable, Sequence
+
+from paxkv.cache.block_manager import BlockManager
+from paxkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paxkv.engine.scheduler import Scheduler
+from paxkv.engine.sequence import Sequence as Seq
+from paxkv.engine.sequence import SequenceStatus
+from paxkv.metrics import Metrics, StepStats
+from paxkv.outputs import CompletionOutput, RequestOutput
+from paxkv.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("paxkv")
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class _Request:
+    """Engine-side state of one request: its samples (forks) and how to finish them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    base_seed: int
+    samples: list[Seq]
+    texts: dict[int, str] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
+    forked: bool = False
+    aborted: bool = False
+    num_cached_tokens: int = 0
+
+    def sample_seed(self, index: int) -> int:
+        """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""
+        if index == 0:
+            return self.base_seed
+        return (self.base_seed * 1_000_003 + index * 7919) % (2**31 - 1)
+
+    @property
+    def finished(self) -> bool:
+        return self.forked_or_single and all(s.status.is_finished() for s in self.samples)
+
+    @property
+    def forked_or_single(self) -> bool:
+        return self.forked or self.params.best_of == 1
+
+
+def _mix_seed(*parts: int) -> int:
+    return hash(parts) % (2**31 - 1)
+
+
+class LLMEngine:
+    """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
+
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None,
+                 num_blocks: int, num_host_blocks: int) -> None:
+        self.config = config
+        self.model_config: ModelConfig = config.model
+        self.runner = runner
+        self.tokenizer = tokenizer
+        sc, cc = config.scheduler, config.cache
+        self.max_model_len = sc.max_model_len
+        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host_blocks,
+                                          enable_prefix_caching=cc.enable_prefix_caching,
+                                          watermark=sc.watermark)
+        self.scheduler = Scheduler(sc, self.block_manager, cc.block_size)
+        self.metrics = Metrics(num_blocks=num_blocks)
+        self.requests: dict[str, _Request] = {}
+        self._owner: dict[int, tuple[_Request, int]] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._aborted_outputs: list[RequestOutput] = []
+        self._step_index = 0
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
+                             f"{self.max_model_len}")
+        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids holds an id outside the vocabulary")
+        base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
+        req = _Request(request_id, text, ids, params, base_seed, [seq])
+        self.requests[request_id] = req
+        self._owner[seq.seq_id] = (req, 0)
+        self.scheduler.add_seq(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request now: its blocks return to the pool before the next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.abort_request(rid)
+            for s in req.samples:
+                if not s.status.is_finished():
+                    s.status = SequenceStatus.FINISHED_ABORTED
+                    s.finish_reason = "abort"
+            req.aborted = True
+            self._aborted_outputs.append(self._make_output(req))
+            self._retire(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _rows_for(self, chunk_index: int, seq: Seq) -> list[Any]:
+        """Sampling rows for a chunk that reaches its sequence's last token."""
+        from paxkv.runner import SampleRow
+        req, index = self._owner[seq.seq_id]
+        p = req.params
+        indices = [index]
+        if not req.forked and p.best_of > 1:
+            indices = list(range(p.best_of))   # first token of every sample from one prefill
+        rows = []
+        for i in indices:
+            n_out = seq.num_output_tokens
+            banned: list[int] = []
+            if n_out < p.min_tokens:
+                banned = ([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids)
+            rows.append(SampleRow(item=chunk_index, temperature=p.temperature, top_k=p.top_k,
+                                  top_p=p.top_p, min_p=p.min_p, seed=req.sample_seed(i),
+                                  step=n_out, banned=banned,
+                                  num_logprobs=(p.logprobs or 0)))
+        return rows
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one device step, sample, stop; return the requests that changed."""
+        from paxkv.runner import WorkItem
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule()
+        changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
+        self._aborted_outputs = []
+        host_s = device_s = compile_s = 0.0
+        if out.chunks:
+            self.runner.swap_out(out.blocks_to_swap_out)
+            self.runner.swap_in(out.blocks_to_swap_in)
+            self.runner.copy_blocks(out.blocks_to_copy)
+            items, rows, row_owner = [], [], []
+            for i, c in enumerate(out.chunks):
+                seq = c.seq
+                items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
+                                      seq.block_table))
+                if c.needs_sample:
+                    r = self._rows_for(i, seq)
+                    rows.extend(r)
+                    row_owner.extend([seq] * len(r))
+            sample, timing = self.runner.execute(items, rows)
+            host_s, device_s, compile_s = timing.host_s, timing.device_s, timing.compile_s
+            self.scheduler.on_step_done(out)
+            self._apply_samples(sample, rows, row_owner, changed)
+        wall = time.perf_counter() - t_start
+        bm = self.block_manager
+        self.metrics.record(StepStats(
+            step=self._step_index, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting, num_swapped=self.scheduler.num_swapped,
+            num_seqs_scheduled=len(out.chunks), num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, num_preemptions=len(out.preempted),
+            blocks_used=bm.num_used_blocks, blocks_free=bm.num_free_blocks,
+            blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
+            device_s=device_s, compile_s=compile_s, wall_s=wall))
+        self.metrics.prefix_cache_queries = bm.prefix_cache_queries
+        self.metrics.prefix_cache_hits = bm.prefix_cache_hits
+        self._step_index += 1
+        return list(changed.values())
+
+    def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
+                       changed: dict[str, RequestOutput]) -> None:
+        touched: dict[str, _Request] = {}
+        r = 0
+        while r < len(rows):
+            seq = row_owner[r]
+            req, index = self._owner[seq.seq_id]
+            group = 1
+            if not req.forked and req.params.best_of > 1:
+                group = req.params.best_of
+                children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(group - 1)]
+                for j, child in enumerate(children, start=1):
+                    req.samples.append(child)
+                    self._owner[child.seq_id] = (req, j)
+                req.forked = True
+            for j in range(group):
+                target = req.samples[j] if group > 1 else seq
+                self._append(req, target, int(sample.tokens[r + j]), float(sample.logprobs[r + j]),
+                             sample.top_ids[r + j], sample.top_logprobs[r + j])
+            touched[req.request_id] = req
+            r += group
+        for rid, req in touched.items():
+            changed[rid] = self._make_output(req)
+            if req.finished:
+                self.metrics.num_requests_finished += 1
+                self._retire(req)
+
+    def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids: Any,
+                top_lps: Any) -> None:
+        p = req.params
+        seq.append_token(token, logprob)
+        self.metrics.num_output_tokens += 1
+        if p.logprobs is not None:
+            entry = {token: logprob}
+            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:p.logprobs], top_lps[:p.logprobs])})
+            req.logprobs.setdefault(seq.seq_id, []).append(entry)
+        status, reason = self._check_stop(req, seq, token)
+        if status is not None:
+            seq.finish_reason = "stop" if status == SequenceStatus.FINISHED_STOPPED else "length"
+            seq.stop_reason = reason
+            self.scheduler.finish(seq, status)
+
+    def _check_stop(self, req: _Request, seq: Seq, token: int) -> tuple[SequenceStatus | None, Any]:
+        p = req.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids)
+                for s in p.stop:
+                    at = text.find(s)
+                    if at >= 0:
+                        req.texts[seq.seq_id] = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                        return SequenceStatus.FINISHED_STOPPED, s
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _retire(self, req: _Request) -> None:
+        self.requests.pop(req.request_id, None)
+        for s in req.samples:
+            self._owner.pop(s.seq_id, None)
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        p = req.params
+        comps = []
+        for i, s in enumerate(req.samples):
+            text = req.texts.get(s.seq_id)
+            if text is None:
+                text = (self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
+                        if (self.tokenizer is not None and p.detokenize) else "")
+            comps.append(CompletionOutput(
+                index=i, text=text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=req.logprobs.get(s.seq_id) if p.logprobs is not None else None,
+                finish_reason=s.finish_reason if s.status.is_finished() else None,
+                stop_reason=s.stop_reason))
+        finished = req.aborted or req.finished
+        if finished and p.best_of > p.n and not req.aborted:
+            comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+            comps = comps[:p.n]
+            for i, c in enumerate(comps):
+                c.index = i
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
+                             req.num_cached_tokens)
+
+
+def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:
+    """A checkpoint directory -> (path, None); a preset name -> (path-or-None, config)."""
+    from paxkv.config import PRESETS, get_preset
+    if isinstance(model, ModelConfig):
+        return None, model
+    if os.path.isdir(model):
+        return model, None
+    if model == "tiny":
+        from paxkv.assets import tiny_model_dir
+        path = tiny_model_dir()
+        if path is not None:
+            return path, None
+    if model in PRESETS or model == "tiny":
+        return None, get_preset(model)
+    raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset "
+                     f"({sorted(PRESETS) + ['tiny']})")
+
+
+class LLM:
+    """Offline inference, vLLM-style: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+    def __init__(self, model: str | ModelConfig = "tiny", *, dtype: str = "auto", block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, kv_cache_dtype: str = "auto",
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", swap_space: float = 4.0,
+                 scheduler: str = "continuous", attention_backend: str = "auto",
+                 tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
+                 tokenizer: Any = "auto") -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from paxkv.model.attention import resolve_backend
+        from paxkv.runner import Runner
+
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        on_gpu = jax.default_backend() == "gpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
+        jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        path, cfg = _resolve_model(model)
+        if path is not None:
+            from paxkv.model.weights import load_checkpoint
+            loaded, cfg = load_checkpoint(path, dtype=dtype) if params is None else (None, None)
+            params = params if params is not None else loaded
+            if cfg is None:
+                from paxkv.config import from_hf_config
+                cfg = from_hf_config(path)
+        elif params is None:
+            from paxkv.model.weights import random_params
+            params = random_params(cfg, jax.random.PRNGKey(seed), jdtype)
+        if tokenizer == "auto":
+            from paxkv.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(path) if path is not None else None
+        self.tokenizer = tokenizer
+        if max_model_len is None:
+            max_model_len = min(cfg.max_position_embeddings, 8192)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                            num_gpu_blocks_override=num_gpu_blocks_override,
+                            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
+                            swap_space=swap_space)
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max(max_num_batched_tokens,
+                                                           0 if enable_chunked_prefill else max_model_len),
+                                max_model_len=max_model_len, policy=scheduler,
+                                preemption_mode=preemption_mode,
+                                enable_chunked_prefill=enable_chunked_prefill)
+        backend = resolve_backend(attention_backend)
+        self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
+                                   tensor_parallel_size=tensor_parallel_size, seed=seed)
+        kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
+        itemsize = jnp.dtype(kv_dtype).itemsize
+        bytes_per_block = block_size * cfg.kv_bytes_per_token(itemsize)
+        num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu)
+        need = math.ceil(max_model_len / block_size) + 1
+        if num_blocks < need:
+            raise ValueError(
+                f"num_gpu_blocks {num_blocks} cannot hold one sequence of max_model_len "
+                f"{max_model_len} ({need - 1} blocks of {block_size} plus the null block): raise "
+                "gpu_memory_utilization / num_gpu_blocks_override or lower max_model_len")
+        num_host_blocks = int(swap_space * 2**30 // bytes_per_block) if preemption_mode == "swap" else 0
+        runner = Runner(cfg, params, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
+                        backend=backend, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=sched.max_num_batched_tokens,
+                        max_model_len=max_model_len, num_host_blocks=num_host_blocks)
+        self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
+        self._request_counter = itertools.count()
+
+    @staticmethod
+    def _num_blocks(cache: CacheConfig, params: Any, bytes_per_block: float, on_gpu: bool) -> int:
+        """Override, else profile the accelerator (weights + activations), else the CPU default."""
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if not on_gpu:
+            return cache.cpu_default_num_blocks
+        import jax
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        in_use = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+        # Activations of the largest step are a small fraction of the weights for decoding;
+        # reserve 10% of what remains for them and XLA's scratch space.
+        free = limit * cache.gpu_memory_utilization - in_use
+        return max(2, int(0.9 * free // bytes_per_block))
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.llm_engine.metrics
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, text or token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                             f"{len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        for prompt, sp in zip(prompts, sampling_params):
+            rid = str(next(self._request_counter))
+            engine.add_request(rid, prompt, sp)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(ids)
+        while wanted - results.keys():
+            for o in engine.step():
+                if o.finished and o.request_id in wanted and o.request_id not in results:
+                    results[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+            if not engine.has_unfinished_requests() and wanted - results.keys():
+                missing = wanted - results.keys()
+                raise RuntimeError(f"requests {sorted(missing)} vanished without output")
+        if bar is not None:
+            bar.close()
+        logger.info("generate: %s", engine.metrics.format_summary())
+        return [results[r] for r in ids]
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[Any]:
+        from paxkv.beam_search import run_beam_search
+        return run_beam_search(self.llm_engine, prompts, params)
+
+
+def _kv_dtype(name: str) -> Any:
+    import jax.numpy as jnp
+    table = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+    if name not in table:
+        raise ValueError(f"kv_cache_dtype {name!r} is not supported yet")
+    return table[name]

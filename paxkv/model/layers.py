@@ -1,0 +1,159 @@
+"""The Llama-3 decoder as Flax Linen modules, shared by the paged and the dense forward.
+
+The modules know nothing about KV caches. Each attention layer hands its rotated
+`q, k, v` to an `AttentionFn` supplied by the caller together with an opaque cache state
+(a `KVPool` for the paged engine, a contiguous cache for the dense reference, nothing for
+training); the function returns the attention output and the new state. That keeps one
+definition of the network for every path, so the paged engine and its dense reference
+cannot drift apart.
+
+Layers are unrolled in Python (no `nn.scan`): the KV pool is a tuple of per-layer pages,
+and unrolling lets XLA update each layer's pages in place when the pool is donated.
+
+Parameter tree (the Linen "params" collection; names follow the HF checkpoint):
+    embed_tokens/embedding              [vocab, hidden]
+    layers_{i}/input_layernorm/scale    [hidden]
+    layers_{i}/self_attn/{q,k,v,o}_proj/kernel   [in, out]
+    layers_{i}/post_attention_layernorm/scale    [hidden]
+    layers_{i}/mlp/{gate,up,down}_proj/kernel    [in, out]
+    norm/scale                          [hidden]
+    lm_head/kernel                      [hidden, vocab]   (absent when embeddings are tied)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from paxkv.config import ModelConfig
+from paxkv.model.rope import apply_rope, cos_sin
+
+# (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
+AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+INIT_STD = 0.02  # the usual Llama initializer range
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32 whatever the activation dtype."""
+
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
+    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
+                    kernel_init=nn.initializers.normal(INIT_STD))
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention projections and RoPE around a caller-given core."""
+
+    cfg: ModelConfig
+    layer: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
+        c = self.cfg
+        lead = x.shape[:-1]
+        q = _linear(c.num_heads * c.head_dim, "q_proj", self.dtype)(x)
+        k = _linear(c.num_kv_heads * c.head_dim, "k_proj", self.dtype)(x)
+        v = _linear(c.num_kv_heads * c.head_dim, "v_proj", self.dtype)(x)
+        q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
+        out, state = attention(self.layer, q, k, v, state)
+        out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
+        return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        gate = _linear(c.intermediate_size, "gate_proj", self.dtype)(x)
+        up = _linear(c.intermediate_size, "up_proj", self.dtype)(x)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
+        c = self.cfg
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x)
+        h, state = Attention(c, self.layer, self.dtype, name="self_attn")(h, cos, sin, attention, state)
+        x = x + h
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
+        return x + MLP(c, self.dtype, name="mlp")(h), state
+
+
+class LMHead(nn.Module):
+    """Untied output projection; accumulates in float32 so bf16 logits keep their precision."""
+
+    vocab_size: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.normal(INIT_STD),
+                            (x.shape[-1], self.vocab_size), self.dtype)
+        return jnp.einsum("...h,hv->...v", x.astype(self.dtype), kernel,
+                          preferred_element_type=jnp.float32)
+
+
+class Llama(nn.Module):
+    """Token ids (any leading shape) -> logits float32, threading a cache state through.
+
+    `logits_at`, when given, is an integer index array into the flattened leading dims:
+    only those rows go through the final norm and the LM head (the engine needs one row per
+    sequence, not one per token).
+    """
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, attention: AttentionFn,
+                 state: Any = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        c = self.cfg
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+                         embedding_init=nn.initializers.normal(INIT_STD), name="embed_tokens")
+        x = embed(token_ids)
+        cos, sin = cos_sin(positions, c)
+        for i in range(c.num_layers):
+            x, state = DecoderLayer(c, i, self.dtype, name=f"layers_{i}")(x, cos, sin, attention, state)
+        if logits_at is not None:
+            x = x.reshape(-1, c.hidden_size)[logits_at]
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("...h,vh->...v", x, embed.embedding.astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), state
+
+
+def params_dtype(params: Any) -> Any:
+    """The compute dtype of a parameter tree: that of its token embedding."""
+    return params["embed_tokens"]["embedding"].dtype

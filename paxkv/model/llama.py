@@ -1,0 +1,122 @@
+"""Llama-3 as pure functions over a parameter pytree: the paged forward the engine runs.
+
+`forward(params, batch, kv_pool, cfg)` runs one engine step on a ragged `StepBatch`: for each
+layer it writes the new tokens' K/V into the page pool at `batch.slot_mapping` and then
+attends through `batch.block_tables` (so cached context and the causal part of the new
+chunk come from the same pages). It returns float32 logits of the last new token of every
+sequence and the new pool. `cfg`, `backend`, `decode_only` and `all_logits` are static.
+
+The network itself is defined once in `layers.py`; the dense reference and the training path
+live in `dense.py` and are re-exported here.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from paxkv.cache import kv_pool as kv_pool_lib
+from paxkv.cache.kv_pool import KVPool
+from paxkv.config import ModelConfig
+from paxkv.model.attention import attend
+from paxkv.model.batch import StepBatch
+from paxkv.model.dense import (DenseCache, dense_forward, dense_forward_jit,  # noqa: F401
+                               greedy_generate, grouped_attention, init_cache)
+from paxkv.model.layers import INIT_STD, Llama, params_dtype
+
+Params = Any  # nested dict of arrays, the Linen "params" collection
+
+
+def _check_batch(batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig) -> None:
+    if batch.token_ids.ndim != 1:
+        raise ValueError(f"forward: batch.token_ids must be 1-D [T], got shape {batch.token_ids.shape}")
+    for field in ("positions", "slot_mapping"):
+        if getattr(batch, field).shape != batch.token_ids.shape:
+            raise ValueError(f"forward: batch.{field} shape {getattr(batch, field).shape} != "
+                             f"token_ids shape {batch.token_ids.shape}")
+    if kv_pool.num_layers != cfg.num_layers:
+        raise ValueError(f"forward: kv_pool has {kv_pool.num_layers} layers, "
+                         f"cfg.num_layers={cfg.num_layers}")
+    if kv_pool.k[0].shape[2:] != (cfg.num_kv_heads, cfg.head_dim):
+        raise ValueError(f"forward: kv_pool pages {kv_pool.k[0].shape} do not hold "
+                         f"{cfg.num_kv_heads} kv heads of dim {cfg.head_dim}")
+
+
+def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig, *,
+            backend: str = "reference", decode_only: bool = False,
+            all_logits: bool = False) -> tuple[jax.Array, KVPool]:
+    """One paged step -> (logits `[S, vocab]` float32 at `batch.logits_indices`, new pool).
+
+    With `all_logits=True` the logits of every token are returned instead (`[T, vocab]`),
+    e.g. for perplexity.
+    """
+    _check_batch(batch, kv_pool, cfg)
+    scale = cfg.head_dim ** -0.5
+
+    def paged_attention(layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                        pool: KVPool) -> tuple[jax.Array, KVPool]:
+        pool = kv_pool_lib.write(pool, layer, k, v, batch.slot_mapping)
+        k_scale = None if pool.k_scale is None else pool.k_scale[layer]
+        v_scale = None if pool.v_scale is None else pool.v_scale[layer]
+        out = attend(q, pool.k[layer], pool.v[layer], batch, scale=scale, backend=backend,
+                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
+        return out, pool
+
+    model = Llama(cfg, params_dtype(params))
+    logits_at = None if all_logits else batch.logits_indices
+    return model.apply({"params": params}, batch.token_ids, batch.positions, paged_attention,
+                       kv_pool, logits_at=logits_at)
+
+
+def forward_all_logits(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig, *,
+                       backend: str = "reference") -> tuple[jax.Array, KVPool]:
+    """Like `forward` but returns logits of every token, `[T, vocab]` float32."""
+    return forward(params, batch, kv_pool, cfg, backend=backend, all_logits=True)
+
+
+# The engine's step: the pool is donated so XLA updates its pages in place.
+forward_jit = jax.jit(forward, static_argnames=("cfg", "backend", "decode_only", "all_logits"),
+                      donate_argnames=("kv_pool",))
+
+
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """The parameter tree as `jax.ShapeDtypeStruct`s (no memory touched)."""
+    def init(key):
+        ids = jnp.zeros((1, 1), jnp.int32)
+        fake_attention = lambda layer, q, k, v, state: (
+            grouped_attention(q, k, v, ids, ids[0], 1.0), state)
+        return Llama(cfg, dtype).init(key, ids, ids, fake_attention)["params"]
+    return jax.eval_shape(init, jax.random.key(0))
+
+
+def _leaf_name(path: tuple) -> str:
+    return "/".join(str(getattr(p, "key", p)) for p in path)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random parameters created on the default device: norms 1, other weights N(0, 0.02).
+
+    Each tensor is made by its own small jitted call, so even an 8B model never needs more
+    than its own size (plus one tensor) of device memory, and nothing goes through the host.
+    """
+    dtype = jnp.dtype(dtype)
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    out = []
+    for index, (path, leaf) in enumerate(leaves):
+        if _leaf_name(path).endswith("scale"):
+            out.append(_ones(leaf.shape, dtype))
+        else:
+            out.append(_normal(jax.random.fold_in(key, index), leaf.shape, dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _ones(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jax.jit(lambda: jnp.ones(shape, dtype))()
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)

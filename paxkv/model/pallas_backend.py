@@ -1,0 +1,47 @@
+"""The "pallas" attention backend: paxkv's Pallas GPU kernels behind `attention.attend`.
+
+Decode steps (every sequence has exactly one new token) go to the decode kernel, which
+packs each sequence's GQA heads and splits long contexts; any other step (prefill, chunked
+prefill, mixed) goes to the ragged kernel. Same semantics as `reference_attention` for every
+real token; padding tokens (past `cu_q_lens[-1]`) get finite outputs that callers ignore.
+Off the GPU (tests) the kernels run in Pallas interpret mode.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from paxkv.model.batch import StepBatch
+
+
+def _token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Sequence of each token (tokens past the last sequence -> the last row)."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    ids = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
+    return jnp.minimum(ids, num_seqs - 1).astype(jnp.int32)
+
+
+def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch, *,
+           scale: float, decode_only: bool, k_scale: jax.Array | None = None,
+           v_scale: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
+    """q `[T, Hq, d]` -> `[T, Hq, d]` over one layer's pages (see `attention.attend`).
+
+    `decode_only` (static): every real sequence has one new token, at `cu_q_lens[s]`.
+    `interpret` defaults to True off the GPU.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    num_tokens = q.shape[0]
+    if decode_only:
+        # One query row per sequence (padding sequences read some row; their context is 0,
+        # so the kernel writes zeros for them), then back to token order.
+        rows = jnp.clip(batch.cu_q_lens[:-1], 0, num_tokens - 1)
+        out = paged_attention(q[rows], k_pages, v_pages, batch.block_tables,
+                              batch.context_lens, k_scale, v_scale, scale=float(scale),
+                              interpret=interpret)
+        return out[_token_seq_ids(batch.cu_q_lens, num_tokens)]
+    return ragged_paged_attention(q, k_pages, v_pages, batch.block_tables, batch.context_lens,
+                                  batch.cu_q_lens, k_scale, v_scale, scale=float(scale),
+                                  interpret=interpret)

@@ -1,0 +1,354 @@
+"""Hugging Face Llama checkpoints <-> paxkv parameter trees.
+
+Loading streams the checkpoint one tensor at a time: each tensor is read from its
+`.safetensors` file into a fresh host buffer, put on the device, transposed / cast there, and
+released before the next one is read. Host memory therefore peaks at (on an accelerator) about
+one tensor, or (on CPU, where the parameters themselves live in host memory) the model plus
+about one tensor: never a float32 copy of the whole model.
+
+The safetensors file format is read directly (an 8-byte header length, a JSON header of
+`{name: {dtype, shape, data_offsets}}`, then raw little-endian data) rather than through
+`safetensors.safe_open`: its numpy framework cannot represent bfloat16, and its jax framework
+materializes each tensor on the default device with no say over placement or host copies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from paxkv.config import ModelConfig, from_hf_config
+from paxkv.model.llama import init_params
+
+Params = Any
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_TARGET_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+# Tensors some checkpoints carry that a Llama forward does not need (recomputed RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor and where it lives in the parameter tree."""
+
+    hf_name: str
+    path: tuple[str, ...]          # keys into the params dict
+    hf_shape: tuple[int, ...]      # as stored by HF ([out, in] for linear layers)
+    transpose: bool                # HF linear weights are [out, in]; Linen kernels are [in, out]
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor a Llama checkpoint of this config must hold, in HF naming."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    specs = [TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"),
+                        (cfg.vocab_size, h), False)]
+    for layer in range(cfg.num_layers):
+        pre, key = f"model.layers.{layer}.", f"layers_{layer}"
+        specs += [
+            TensorSpec(pre + "input_layernorm.weight", (key, "input_layernorm", "scale"), (h,), False),
+            TensorSpec(pre + "self_attn.q_proj.weight", (key, "self_attn", "q_proj", "kernel"), (q, h), True),
+            TensorSpec(pre + "self_attn.k_proj.weight", (key, "self_attn", "k_proj", "kernel"), (kv, h), True),
+            TensorSpec(pre + "self_attn.v_proj.weight", (key, "self_attn", "v_proj", "kernel"), (kv, h), True),
+            TensorSpec(pre + "self_attn.o_proj.weight", (key, "self_attn", "o_proj", "kernel"), (h, q), True),
+            TensorSpec(pre + "post_attention_layernorm.weight",
+                       (key, "post_attention_layernorm", "scale"), (h,), False),
+            TensorSpec(pre + "mlp.gate_proj.weight", (key, "mlp", "gate_proj", "kernel"), (i, h), True),
+            TensorSpec(pre + "mlp.up_proj.weight", (key, "mlp", "up_proj", "kernel"), (i, h), True),
+            TensorSpec(pre + "mlp.down_proj.weight", (key, "mlp", "down_proj", "kernel"), (h, i), True),
+        ]
+    specs.append(TensorSpec("model.norm.weight", ("norm", "scale"), (h,), False))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (cfg.vocab_size, h), True))
+    return specs
+
+
+# ---------------------------------------------------------------------------- safetensors I/O
+
+def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """(header without `__metadata__`, byte offset where tensor data starts)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{os.path.basename(path)} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_tensor(f, name: str, info: dict[str, Any], data_start: int) -> np.ndarray:
+    """Read one tensor into a fresh (not memory-mapped) host buffer."""
+    if info["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor {name!r} has unsupported safetensors dtype {info['dtype']!r}")
+    arr = np.empty(tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+    begin, end = info["data_offsets"]
+    if end - begin != arr.nbytes:
+        raise ValueError(f"tensor {name!r}: {end - begin} bytes stored for shape "
+                         f"{tuple(info['shape'])} {info['dtype']} ({arr.nbytes} expected)")
+    f.seek(data_start + begin)
+    if arr.nbytes and f.readinto(arr.reshape(-1).view(np.uint8)) != arr.nbytes:
+        raise ValueError(f"tensor {name!r}: file ends before its data does")
+    return arr
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file path, from the shard index or the single file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.safetensors.index.json has no 'weight_map' in {path}")
+        out = {}
+        for name, fname in weight_map.items():
+            full = os.path.join(path, fname)
+            if not os.path.exists(full):
+                raise ValueError(f"shard {fname!r} (holding {name!r}) listed in "
+                                 "model.safetensors.index.json is missing")
+            out[name] = full
+        return out
+    if os.path.exists(single):
+        header, _ = read_safetensors_header(single)
+        return {name: single for name in header}
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _check_supported(raw: dict[str, Any]) -> None:
+    """Config fields from_hf_config does not model: reject what would change the math."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json field 'hidden_act'={raw['hidden_act']!r}: only 'silu' is supported")
+    for field in ("attention_bias", "mlp_bias"):
+        if raw.get(field):
+            raise ValueError(f"config.json field {field!r}=true: biases are not supported")
+
+
+def _resolve_dtype(dtype: Any, raw: dict[str, Any]) -> Any:
+    if dtype == "auto":
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if isinstance(dtype, str):
+        if dtype not in _TARGET_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_TARGET_DTYPES) + ['auto']}, got {dtype!r}")
+        return jnp.dtype(_TARGET_DTYPES[dtype])
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from e
+    if resolved not in [jnp.dtype(d) for d in _TARGET_DTYPES.values()]:
+        raise ValueError(f"dtype must be one of {sorted(_TARGET_DTYPES)}, got {resolved}")
+    return resolved
+
+
+def _prepare_impl(x: jax.Array, dtype: Any, transpose: bool) -> jax.Array:
+    x = x.T if transpose else x
+    return x.astype(dtype)
+
+
+_prepare = jax.jit(_prepare_impl, static_argnums=(1, 2))
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
+                    progress: bool | None = None) -> tuple[Params, ModelConfig]:
+    """Read an HF Llama checkpoint directory -> (params, ModelConfig).
+
+    `dtype`: "bfloat16" / "float32" / "float16" / "auto" (the checkpoint's) or a dtype.
+    `device`: a `jax.Device`, a `jax.sharding.Sharding`, or None for the default device.
+    Raises ValueError naming the tensor or config field on a missing tensor, a wrong shape,
+    an unexpected tensor, or a non-Llama architecture.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} is not a directory")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"config.json not found in checkpoint {path!r}")
+    with open(config_path) as f:
+        raw = json.load(f)
+    cfg = from_hf_config(raw, name=os.path.basename(os.path.normpath(path)))
+    _check_supported(raw)
+    target = _resolve_dtype(dtype, raw)
+
+    files = _checkpoint_files(path)
+    specs = tensor_specs(cfg)
+    expected = {s.hf_name for s in specs}
+    for name in files:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # some tied checkpoints store the (identical) head anyway
+        raise ValueError(f"checkpoint has tensor {name!r} that a Llama model with this "
+                         "config.json does not use")
+    for spec in specs:
+        if spec.hf_name not in files:
+            raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
+
+    put_device = device if isinstance(device, jax.Device) else None
+    sharding = device if isinstance(device, jax.sharding.Sharding) else None
+    if device is not None and put_device is None and sharding is None:
+        raise ValueError(f"device must be a jax.Device, a Sharding or None, got {device!r}")
+
+    headers: dict[str, tuple[dict[str, Any], int]] = {}
+    by_file: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        fname = files[spec.hf_name]
+        if fname not in headers:
+            headers[fname] = read_safetensors_header(fname)
+        by_file.setdefault(fname, []).append(spec)
+    total_bytes = sum(math.prod(s.hf_shape) for s in specs) * target.itemsize
+    if progress is None:
+        progress = total_bytes > (1 << 30)
+
+    from tqdm import tqdm
+    params: dict[str, Any] = {}
+    with tqdm(total=len(specs), desc="loading weights", disable=not progress) as bar:
+        for fname, file_specs in by_file.items():
+            header, data_start = headers[fname]
+            # Read in file order: sequential I/O.
+            file_specs.sort(key=lambda s: header[s.hf_name]["data_offsets"][0]
+                            if s.hf_name in header else -1)
+            with open(fname, "rb") as f:
+                for spec in file_specs:
+                    if spec.hf_name not in header:
+                        raise ValueError(f"tensor {spec.hf_name!r} is not in "
+                                         f"{os.path.basename(fname)} as the index says")
+                    info = header[spec.hf_name]
+                    if tuple(info["shape"]) != spec.hf_shape:
+                        raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(info['shape'])}, "
+                                         f"expected {spec.hf_shape} for this config.json")
+                    host = _read_tensor(f, spec.hf_name, info, data_start)
+                    x = _prepare(jax.device_put(host, put_device), target, spec.transpose)
+                    if sharding is not None:
+                        x = jax.device_put(x, sharding)
+                    x.block_until_ready()  # the host buffer can go before the next read
+                    del host
+                    _set(params, spec.path, x)
+                    bar.update(1)
+    return params, cfg
+
+
+def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype: Any = "bfloat16",
+                  device: jax.Device | None = None) -> Params:
+    """Random weights built directly on the device (jitted init, no host copy): benchmarks."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    target = _resolve_dtype(dtype, {})
+    if device is None:
+        return init_params(cfg, key, target)
+    with jax.default_device(device):
+        return init_params(cfg, key, target)
+
+
+# ---------------------------------------------------------------------------- saving
+
+def hf_config_dict(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
+    """A transformers-loadable LlamaConfig dict for `cfg`."""
+    eos = list(cfg.eos_token_ids)
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": str(jnp.dtype(dtype)),
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
+    return out
+
+
+def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Array]]:
+    """(HF name, HF-layout array) for every tensor, one at a time."""
+    for spec in tensor_specs(cfg):
+        try:
+            x = _get(params, spec.path)
+        except KeyError as e:
+            raise ValueError(f"params is missing {'/'.join(spec.path)} (HF {spec.hf_name!r})") from e
+        expected = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+        if tuple(x.shape) != expected:
+            raise ValueError(f"params {'/'.join(spec.path)} has shape {tuple(x.shape)}, "
+                             f"expected {expected}")
+        yield spec.hf_name, (jnp.transpose(x) if spec.transpose else x)
+
+
+def save_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> None:
+    """Write `config.json` + `model.safetensors` that transformers' LlamaForCausalLM loads.
+
+    Tensors keep the parameters' dtype. Meant for small models (the whole state is gathered
+    to host memory once).
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    tensors = {name: np.asarray(x) for name, x in hf_tensors(params, cfg)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, dtype), f, indent=2)
+    write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
+
+
+_NUMPY_TO_SAFETENSORS = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write host arrays (bfloat16 included, via ml_dtypes) as one safetensors file."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, arr in tensors.items():
+        dt = np.dtype(arr.dtype)
+        if dt not in _NUMPY_TO_SAFETENSORS:
+            raise ValueError(f"tensor {name!r}: dtype {dt} cannot be written to safetensors")
+        header[name] = {"dtype": _NUMPY_TO_SAFETENSORS[dt], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())

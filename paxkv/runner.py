@@ -1,0 +1,246 @@
+"""The one door between host and device: scheduled work -> padded arrays -> jitted step.
+
+The runner owns the device state (params, KV pool, host swap pool) and the compiled step.
+It pads every step to a shape bucket (tokens, sequences, block-table width, sampling rows),
+so a steady workload reuses a handful of compiled programs; it counts compilations so tests
+and benchmarks can check that steady state compiles nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxkv.cache import kv_pool as kvp
+from paxkv.config import ModelConfig
+from paxkv.model.batch import StepBatch
+from paxkv.sampler import SampleResult, SamplingTensors, sample
+
+NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo up to (and including) hi, hi itself as the last bucket."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return out
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class WorkItem:
+    """One scheduled chunk, as the runner needs it: tokens to compute and where they go."""
+
+    token_ids: Sequence[int]     # the tokens computed this step
+    start: int                   # position of the first of them
+    block_table: Sequence[int]
+
+
+@dataclasses.dataclass
+class SampleRow:
+    """One token to sample, from the logits of work item `item`."""
+
+    item: int
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+    banned: Sequence[int] = ()
+    num_logprobs: int = 0
+
+
+@dataclasses.dataclass
+class HostSample:
+    tokens: np.ndarray          # [R]
+    logprobs: np.ndarray        # [R]
+    top_ids: np.ndarray         # [R, K]
+    top_logprobs: np.ndarray    # [R, K]
+
+
+@dataclasses.dataclass
+class StepTiming:
+    host_s: float = 0.0         # packing + dispatch on the host
+    device_s: float = 0.0       # waiting for the device result
+    compile_s: float = 0.0      # first call of a new shape bucket (traced + compiled)
+    compiled: bool = False
+
+
+def _step_fn(params: Any, kv_pool: kvp.KVPool, batch: StepBatch, st: SamplingTensors, *,
+             cfg: ModelConfig, backend: str, decode_only: bool, all_greedy: bool,
+             num_logprobs: int) -> tuple[SampleResult, kvp.KVPool]:
+    from paxkv.model.llama import forward
+    logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only)
+    return sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_pool
+
+
+_jit_step = jax.jit(_step_fn, static_argnames=("cfg", "backend", "decode_only", "all_greedy",
+                                               "num_logprobs"), donate_argnums=(1,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(pool: kvp.KVPool, src: jax.Array, dst: jax.Array) -> kvp.KVPool:
+    return kvp.copy_blocks(pool, src, dst)
+
+
+@jax.jit
+def _gather_blocks(pool: kvp.KVPool, ids: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    return tuple(k[ids] for k in pool.k), tuple(v[ids] for v in pool.v)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(pool: kvp.KVPool, ids: jax.Array, ks: tuple, vs: tuple) -> kvp.KVPool:
+    return pool._replace(k=tuple(k.at[ids].set(x) for k, x in zip(pool.k, ks)),
+                         v=tuple(v.at[ids].set(x) for v, x in zip(pool.v, vs)))
+
+
+class Runner:
+    """Owns params, the KV pool and the host swap pool; runs one scheduled step at a time."""
+
+    def __init__(self, cfg: ModelConfig, params: Any, *, num_blocks: int, block_size: int,
+                 kv_dtype: Any, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, num_host_blocks: int = 0) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.block_size = block_size
+        self.backend = backend
+        self.kv_pool = kvp.init_pool(cfg, num_blocks, block_size, kv_dtype)
+        max_blocks = math.ceil(max_model_len / block_size)
+        self.token_buckets = pow2_buckets(16, max(16, max_num_batched_tokens))
+        self.seq_buckets = pow2_buckets(4, max(4, max_num_seqs))
+        self.block_buckets = pow2_buckets(4, max(4, max_blocks))
+        self.row_buckets = pow2_buckets(4, max(4, max_num_seqs * 4))
+        self.copy_buckets = pow2_buckets(4, max(4, num_blocks))
+        page = kvp.page_shape(cfg, num_host_blocks, block_size)
+        self.host_k = [np.zeros(page, np.dtype(kv_dtype)) for _ in range(cfg.num_layers)] if num_host_blocks else []
+        self.host_v = [np.zeros(page, np.dtype(kv_dtype)) for _ in range(cfg.num_layers)] if num_host_blocks else []
+        self.compiled_keys: set[tuple] = set()
+        self.num_compilations = 0
+        self.compile_time_s = 0.0
+
+    # ---- block movement (copy-on-write, swap) -------------------------------------------
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: all of a step's block copies in one jitted gather/scatter."""
+        if not pairs:
+            return
+        n = pick_bucket(len(pairs), self.copy_buckets)
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.kv_pool = _copy_blocks(self.kv_pool, jnp.asarray(src), jnp.asarray(dst))
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device blocks -> host pool (preemption by swapping)."""
+        if not pairs:
+            return
+        dev, host = (np.asarray(x, np.int32) for x in zip(*pairs))
+        ks, vs = _gather_blocks(self.kv_pool, jnp.asarray(dev))
+        for layer in range(self.cfg.num_layers):
+            self.host_k[layer][host] = np.asarray(ks[layer])
+            self.host_v[layer][host] = np.asarray(vs[layer])
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host pool -> device blocks."""
+        if not pairs:
+            return
+        host, dev = (np.asarray(x, np.int32) for x in zip(*pairs))
+        ks = tuple(jnp.asarray(h[host]) for h in self.host_k)
+        vs = tuple(jnp.asarray(h[host]) for h in self.host_v)
+        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev), ks, vs)
+
+    # ---- the step -----------------------------------------------------------------------
+    def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
+        """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
+        bs = self.block_size
+        q_lens = np.fromiter((len(it.token_ids) for it in items), np.int32, len(items))
+        decode_only = bool(len(items)) and bool(np.all(q_lens == 1))
+        num_seqs = pick_bucket(len(items), self.seq_buckets)
+        num_tokens = num_seqs if decode_only else pick_bucket(int(q_lens.sum()), self.token_buckets)
+        width = pick_bucket(max(len(it.block_table) for it in items), self.block_buckets)
+        cu = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1:len(items) + 1])
+        cu[len(items) + 1:] = cu[len(items)]
+        total = int(cu[len(items)])
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slots = np.arange(num_tokens, dtype=np.int32) % bs   # padding -> the null block's slots
+        tables = np.zeros((num_seqs, width), np.int32)
+        context = np.zeros(num_seqs, np.int32)
+        for i, it in enumerate(items):
+            a, b = cu[i], cu[i + 1]
+            table = np.asarray(it.block_table, np.int32)
+            tables[i, :len(table)] = table
+            pos = np.arange(it.start, it.start + (b - a), dtype=np.int32)
+            tokens[a:b] = it.token_ids
+            positions[a:b] = pos
+            slots[a:b] = table[pos // bs] * bs + pos % bs
+            context[i] = it.start + (b - a)
+        logits_idx = np.maximum(cu[1:] - 1, 0).astype(np.int32)
+        del total
+        return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
+
+    def pack_sampling(self, rows: Sequence[SampleRow]) -> tuple[SamplingTensors, bool, int]:
+        r = pick_bucket(max(1, len(rows)), self.row_buckets)
+        n = len(rows)
+
+        def col(name: str, dtype: Any, pad: Any) -> np.ndarray:
+            out = np.full(r, pad, dtype)
+            out[:n] = [getattr(x, name) for x in rows]
+            return out
+
+        banned = np.full((r, NUM_BANNED if any(x.banned for x in rows) else 0), -1, np.int32)
+        for i, x in enumerate(rows):
+            if x.banned:
+                ids = list(x.banned)[:NUM_BANNED]
+                banned[i, :len(ids)] = ids
+        st = SamplingTensors(col("item", np.int32, 0), col("temperature", np.float32, 0.0),
+                             col("top_k", np.int32, -1), col("top_p", np.float32, 1.0),
+                             col("min_p", np.float32, 0.0), col("seed", np.int32, 0),
+                             col("step", np.int32, 0), banned)
+        all_greedy = all(x.temperature == 0.0 for x in rows)
+        k = max((x.num_logprobs for x in rows), default=0)
+        k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
+        return st, all_greedy, k
+
+    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
+        """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""
+        timing = StepTiming()
+        t0 = time.perf_counter()
+        batch, decode_only = self.pack(items)
+        st, all_greedy, k = self.pack_sampling(rows)
+        key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
+               st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
+        new = key not in self.compiled_keys
+        result, self.kv_pool = _jit_step(
+            self.params, self.kv_pool, jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, st),
+            cfg=self.cfg, backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
+            num_logprobs=k)
+        t1 = time.perf_counter()
+        host = HostSample(*(np.asarray(x) for x in result))
+        t2 = time.perf_counter()
+        if new:
+            self.compiled_keys.add(key)
+            self.num_compilations += 1
+            timing.compiled = True
+            timing.compile_s = t2 - t0
+            self.compile_time_s += t2 - t0
+        else:
+            timing.host_s = t1 - t0
+            timing.device_s = t2 - t1
+        return host, timing

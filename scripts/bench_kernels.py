@@ -1,0 +1,467 @@
+"""Check and time paxkv's Pallas paged-attention kernels on one GPU, in one run.
+
+Decode: the five shapes of the reference figures (32 query / 8 KV heads, head_dim 128,
+block 16, bf16, randomly permuted pages): paxkv's kernel over a few tunings (best reported),
+JAX's bundled Pallas paged attention (`jax.experimental.pallas.ops.gpu.paged_attention`,
+layout [kv_heads, pages, page_size, d]) over a few tunings, paxkv's kernel on a contiguous
+cache (identity block table: the cost of paging), and its "heads_first" pool layout. The
+copy bandwidth is measured in the same run (device-to-device copy, bytes read + written).
+Prefill: 8 x 2048-token prompts and 8 x 512-token chunks over 4096 cached tokens, against
+cuDNN attention (jax.nn.dot_product_attention(implementation="cudnn")) on the same tokens.
+
+Every variant is checked against a jnp reference on the GPU before it is timed. Timing:
+median over repeats of N back-to-back calls (async dispatch), after compile and warm-up.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py --out results/bench
+    PYTHONPATH=. python3 scripts/bench_kernels.py --smoke      # tiny shapes, CPU interpret
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.paged_attention import (  # noqa: E402
+    choose_num_splits,
+    paged_attention,
+    paged_attention_reference,
+)
+from pallas_kernels.ragged_paged_attention import (  # noqa: E402
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DECODE_SHAPES = [(32, 1024), (64, 2048), (128, 2048), (256, 1024), (16, 8192)]
+BUNDLED_BEST = {(32, 1024): 155, (64, 2048): 371, (128, 2048): 619, (256, 1024): 654,
+                (16, 8192): 355}                 # reference figures, us (best of 24 tunings)
+BUNDLED_TUNINGS = {(32, 1024): (4, 16, 4), (64, 2048): (8, 8, 4), (128, 2048): (4, 16, 4),
+                   (256, 1024): (8, 4, 8), (16, 8192): (4, 8, 4)}
+
+
+class Clock:
+    def __init__(self, budget_s: float):
+        self.start = time.perf_counter()
+        self.budget = budget_s
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def time_call(fn, args, reps: int = 7, target_s: float = 0.03) -> float:
+    """Median seconds per call of `fn(*args)`: N back-to-back calls per repeat."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    iters = int(max(3, min(200, target_s / max(one, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
+
+
+def rel_err(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def copy_bandwidth(smoke: bool) -> dict:
+    """Device-to-device copy (bytes read + written), PyTorch memcpy and XLA elementwise."""
+    res = {}
+    n_bytes = (1 << 20) if smoke else (2 << 30)
+    if not smoke:
+        try:
+            import torch
+            a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            samples = []
+            for _ in range(10):
+                start.record()
+                for _ in range(5):
+                    b.copy_(a)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / 5)
+            res["torch_copy_tbps"] = 2 * n_bytes / statistics.median(samples) / 1e12
+            del a, b
+            torch.cuda.empty_cache()
+        except Exception as e:  # torch missing or no GPU: report XLA's copy only
+            res["torch_copy_error"] = repr(e)[:200]
+    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.bfloat16(1))
+    t = time_call(f, (x,))
+    res["xla_elementwise_tbps"] = 2 * n_bytes / t / 1e12
+    del x
+    return res
+
+
+@jax.jit
+def dense_reference(qd, kc, vc):
+    """Exact fp32 attention of q `[S, Lq, Hq, d]` (the last Lq of Lk positions) over K/V."""
+    seqs, lq, hq, d = qd.shape
+    lk = kc.shape[1]
+    qg = qd.astype(jnp.float32).reshape(seqs, lq, KV_HEADS, hq // KV_HEADS, d)
+    s = jnp.einsum("sqhgd,skhd->shgqk", qg, kc.astype(jnp.float32), precision="highest")
+    s = s * d ** -0.5
+    visible = jnp.arange(lk)[None, :] <= (lk - lq + jnp.arange(lq))[:, None]
+    s = jnp.where(visible, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("shgqk,skhd->sqhgd", p, vc.astype(jnp.float32), precision="highest")
+    return o.reshape(seqs, lq, hq, d)
+
+
+def make_pool(key, num_blocks, dtype=jnp.bfloat16):
+    kk, kv = jax.random.split(key)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return (jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
+
+
+def permuted_tables(seed, batch, pages_per_seq, num_blocks):
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(np.arange(1, num_blocks))[: batch * pages_per_seq]
+    return jnp.asarray(perm.reshape(batch, pages_per_seq).astype(np.int32))
+
+
+def decode_section(args, clock, results):
+    shapes = [(4, 64), (2, 256)] if args.smoke else DECODE_SHAPES
+    interpret = args.smoke
+    from jax.experimental.pallas.ops.gpu import paged_attention as bundled_mod
+    for shape_i, (batch, ctx) in enumerate(shapes):
+        pages = ctx // BLOCK
+        num_blocks = batch * pages + 1
+        key = jax.random.key(100 + shape_i)
+        k, v = make_pool(key, num_blocks)
+        q = jax.random.normal(jax.random.fold_in(key, 7), (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+        tables = permuted_tables(shape_i, batch, pages, num_blocks)
+        contig = jnp.asarray(1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages))
+        lens = jnp.full((batch,), ctx, jnp.int32)
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        ref = paged_attention_reference(q, k, v, tables, lens)
+        row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "paxkv": [], "bundled": []}
+        log(f"\n== decode B={batch} ctx={ctx}  KV {kv_bytes / 1e6:.0f} MB")
+
+        auto = choose_num_splits(batch, KV_HEADS, pages, 8)
+        tunings = [dict(pages_per_compute_block=p, num_splits=s, num_warps=4, num_stages=2)
+                   for p, ss in ((8, (auto, max(1, auto // 2), auto * 2, auto * 4)),
+                                 (16, (auto, auto * 2)), (4, (auto, auto * 2)))
+                   for s in ss if (s * p) <= pages or s == 1]
+
+        def run_paxkv(tab, tuning, layout="blocks_first", kk=k, vv=v):
+            fn = jax.jit(functools.partial(paged_attention, pages_layout=layout,
+                                           interpret=interpret, **tuning))
+            out = fn(q, kk, vv, tab, lens)
+            err = rel_err(out, ref)
+            t = time_call(fn, (q, kk, vv, tab, lens), reps=3 if args.smoke else 7)
+            return t, err
+
+        best = None
+        for tuning in tunings:
+            if clock.left() < 60:
+                log("  (time budget: skipping remaining paxkv tunings)")
+                break
+            try:
+                t, err = run_paxkv(tables, tuning)
+            except Exception as e:
+                log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
+                row["paxkv"].append({**tuning, "error": repr(e)[:300]})
+                continue
+            ok = err < 2e-2
+            log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {kv_bytes / t / 1e12:5.2f} TB/s  "
+                f"err {err:.1e}{'' if ok else '  WRONG'}")
+            row["paxkv"].append({**tuning, "us": t * 1e6, "err": err})
+            if ok and (best is None or t < best[0]):
+                best = (t, tuning)
+        if best is not None:                     # refine launch parameters on the best
+            for w, st in ((8, 2), (4, 3), (8, 3)):
+                if clock.left() < 60:
+                    break
+                tuning = {**best[1], "num_warps": w, "num_stages": st}
+                try:
+                    t, err = run_paxkv(tables, tuning)
+                except Exception as e:
+                    log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
+                    continue
+                log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {kv_bytes / t / 1e12:5.2f} TB/s  "
+                    f"err {err:.1e}")
+                row["paxkv"].append({**tuning, "us": t * 1e6, "err": err})
+                if err < 2e-2 and t < best[0]:
+                    best = (t, tuning)
+            row["best"] = {**best[1], "us": best[0] * 1e6}
+            try:                                 # contiguous cache: the cost of paging
+                t, err = run_paxkv(contig, best[1])
+                ref_c = paged_attention_reference(q, k, v, contig, lens)
+                fn = jax.jit(functools.partial(paged_attention, interpret=interpret, **best[1]))
+                err = rel_err(fn(q, k, v, contig, lens), ref_c)
+                row["contiguous_us"] = t * 1e6
+                row["contiguous_err"] = err
+                log(f"  paxkv contiguous (identity table): {t * 1e6:8.1f} us  err {err:.1e}")
+            except Exception as e:
+                log(f"  contiguous FAILED: {repr(e)[:300]}")
+        # heads-first pool layout (the bundled kernel's), also fed to the bundled kernel
+        k_hf, v_hf = jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
+        if best is not None and clock.left() > 45:
+            try:
+                t, err = run_paxkv(tables, best[1], "heads_first", k_hf, v_hf)
+                row["heads_first_us"] = t * 1e6
+                log(f"  paxkv heads_first layout: {t * 1e6:8.1f} us  err {err:.1e}")
+            except Exception as e:
+                log(f"  heads_first FAILED: {repr(e)[:300]}")
+        b_tunings = [(8, 16, 8)]                 # the bundled kernel's defaults
+        if (batch, ctx) in BUNDLED_TUNINGS:
+            b_tunings.append(BUNDLED_TUNINGS[(batch, ctx)])
+        b_tunings += [(8, 8, 4), (4, 16, 4), (8, 4, 8)]
+        seen = set()
+        q_scaled = (q.astype(jnp.float32) * HEAD_DIM ** -0.5).astype(q.dtype)  # it has no scale
+        for ppcb, ks, nw in b_tunings:
+            if (ppcb, ks, nw) in seen or clock.left() < 45:
+                continue
+            seen.add((ppcb, ks, nw))
+            if pages % ks or (pages // ks) % min(ppcb, pages // ks):
+                continue
+            try:
+                fn = jax.jit(functools.partial(
+                    bundled_mod.paged_attention, pages_per_compute_block=ppcb, k_splits=ks,
+                    num_warps=nw, interpret=interpret))
+                out = fn(q_scaled, k_hf, v_hf, tables, lens)
+                err = rel_err(out, ref)
+                t = time_call(fn, (q_scaled, k_hf, v_hf, tables, lens),
+                              reps=3 if args.smoke else 7)
+            except Exception as e:
+                log(f"  bundled ({ppcb},{ks},{nw}) FAILED: {repr(e)[:300]}")
+                continue
+            log(f"  bundled ppcb={ppcb} k_splits={ks} warps={nw}: {t * 1e6:8.1f} us  "
+                f"{kv_bytes / t / 1e12:5.2f} TB/s  err {err:.1e}")
+            row["bundled"].append({"ppcb": ppcb, "k_splits": ks, "num_warps": nw,
+                                   "us": t * 1e6, "err": err})
+        if row["bundled"]:
+            row["bundled_best_us"] = min(b["us"] for b in row["bundled"])
+        results["decode"].append(row)
+        del k, v, k_hf, v_hf
+        if (len(shapes) > 3 and shape_i == 2) or args.smoke:
+            write_report(args, results)          # partial results survive a timeout
+
+
+def prefill_section(args, clock, results):
+    if args.smoke:
+        work = [("prompts", 2, 64, 64), ("chunks", 2, 32, 96)]
+    else:
+        work = [("prompts 8 x 2048", 8, 2048, 2048), ("chunks 8 x 512 over 4096", 8, 512, 4608)]
+    interpret = args.smoke
+    for wi, (name, seqs, q_len, ctx) in enumerate(work):
+        if clock.left() < 40:
+            log("(time budget: skipping prefill)")
+            break
+        pages = ctx // BLOCK
+        num_blocks = seqs * pages + 1
+        key = jax.random.key(300 + wi)
+        k, v = make_pool(key, num_blocks)
+        tables = permuted_tables(50 + wi, seqs, pages, num_blocks)
+        tokens = seqs * q_len
+        q = jax.random.normal(jax.random.fold_in(key, 3), (tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+        lens = jnp.full((seqs,), ctx, jnp.int32)
+        cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
+        pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) // 2     # visible (q, k) pairs
+        flops = 4 * seqs * Q_HEADS * HEAD_DIM * pairs
+        row = {"name": name, "seqs": seqs, "q_len": q_len, "context": ctx, "flops": flops,
+               "paxkv": []}
+        log(f"\n== prefill {name}: {tokens} tokens, {flops / 1e9:.0f} GFLOP")
+        # dense contiguous K/V for cuDNN and for an exact fp32 reference
+        kc = k[tables].reshape(seqs, ctx, KV_HEADS, HEAD_DIM)
+        vc = v[tables].reshape(seqs, ctx, KV_HEADS, HEAD_DIM)
+        qd = q.reshape(seqs, q_len, Q_HEADS, HEAD_DIM)
+        ref = dense_reference(qd, kc, vc).reshape(tokens, Q_HEADS, HEAD_DIM)
+        impl = None if args.smoke else "cudnn"
+        causal = q_len == ctx
+        dense = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          implementation=impl))
+        try:
+            t_d = time_call(dense, (qd, kc, vc), reps=3 if args.smoke else 7)
+            row["cudnn_us"] = t_d * 1e6
+            row["cudnn_causal"] = causal
+            msg = ""
+            if causal:
+                row["cudnn_err"] = rel_err(dense(qd, kc, vc).reshape(ref.shape), ref)
+                msg = f"  err {row['cudnn_err']:.1e}"
+            log(f"  cuDNN dense {'causal' if causal else 'non-causal (upper bound)'}: "
+                f"{t_d * 1e6:8.1f} us  {flops / t_d / 1e12:6.1f} TFLOP/s{msg}")
+        except Exception as e:
+            log(f"  cuDNN FAILED: {repr(e)[:300]}")
+        tunings = [dict(block_q=bq, pages_per_compute_block=p, num_warps=w, num_stages=s)
+                   for (bq, p, w, s) in ((32, 4, 4, 2), (32, 4, 8, 2), (16, 4, 4, 2),
+                                         (32, 8, 8, 2), (32, 4, 8, 3), (16, 8, 4, 2),
+                                         (64, 4, 8, 2), (32, 8, 4, 3), (16, 4, 4, 3))]
+        best = None
+        for tuning in tunings:
+            if clock.left() < 25:
+                log("  (time budget: skipping remaining prefill tunings)")
+                break
+            try:
+                fn = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret,
+                                               **tuning))
+                out = fn(q, k, v, tables, lens, cu)
+                err = rel_err(out, ref)
+                t = time_call(fn, (q, k, v, tables, lens, cu), reps=3 if args.smoke else 7)
+            except Exception as e:
+                log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
+                row["paxkv"].append({**tuning, "error": repr(e)[:300]})
+                continue
+            ok = err < 2e-2
+            log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {flops / t / 1e12:6.1f} TFLOP/s  "
+                f"err {err:.1e}{'' if ok else '  WRONG'}")
+            row["paxkv"].append({**tuning, "us": t * 1e6, "err": err})
+            if ok and (best is None or t < best[0]):
+                best = (t, tuning)
+        if best is not None:
+            row["best"] = {**best[1], "us": best[0] * 1e6}
+        results["prefill"].append(row)
+        del k, v, kc, vc
+        write_report(args, results)
+
+
+def mixed_check(args, results):
+    """A small mixed batch (decode + chunk + prompt + padding) through the model backend."""
+    from paxkv.model import pallas_backend
+    from paxkv.model.attention import reference_attention
+    from paxkv.model.batch import StepBatch
+    rng = np.random.default_rng(9)
+    q_lens, ctxs = [1, 37, 100, 0], [300, 77, 100, 0]
+    seqs, tokens = len(q_lens), sum(q_lens) + 5
+    mb = 24
+    num_blocks = seqs * mb + 1
+    k, v = make_pool(jax.random.key(5), num_blocks)
+    tables = permuted_tables(3, seqs, mb, num_blocks)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    pos = np.zeros(tokens, np.int32)
+    for s in range(seqs):
+        pos[cu[s]:cu[s + 1]] = ctxs[s] - q_lens[s] + np.arange(q_lens[s])
+    batch = StepBatch(jnp.zeros(tokens, jnp.int32), jnp.asarray(pos),
+                      jnp.zeros(tokens, jnp.int32), tables, jnp.asarray(ctxs, jnp.int32),
+                      jnp.asarray(cu), jnp.asarray(cu[1:] - 1))
+    q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+    out = pallas_backend.attend(q, k, v, batch, scale=HEAD_DIM ** -0.5, decode_only=False,
+                                interpret=args.smoke)
+    ref = reference_attention(q, k, v, batch, HEAD_DIM ** -0.5)
+    n = int(cu[-1])
+    err = rel_err(out[:n], ref[:n])
+    results["mixed_backend_err"] = err
+    results["mixed_backend_finite"] = bool(jnp.isfinite(out).all())
+    log(f"\nmixed batch through pallas_backend vs reference_attention: err {err:.1e}, "
+        f"finite {results['mixed_backend_finite']}")
+
+
+def fmt(x, spec="{:.0f}"):
+    return "-" if x is None else spec.format(x)
+
+
+def write_report(args, results) -> str:
+    bw = results.get("bandwidth", {})
+    copy = bw.get("torch_copy_tbps") or bw.get("xla_elementwise_tbps")
+    lines = [f"JAX {jax.__version__}, {results.get('device', '?')}", ""]
+    lines.append(f"Copy bandwidth (bytes read + written): device-to-device memcpy "
+                 f"{fmt(bw.get('torch_copy_tbps'), '{:.2f}')} TB/s, XLA elementwise "
+                 f"{fmt(bw.get('xla_elementwise_tbps'), '{:.2f}')} TB/s")
+    lines += ["", "Decode (32 q / 8 kv heads, d=128, block 16, bf16, permuted pages):", "",
+              "| batch | context | paxkv best (us) | tuning (ppcb, splits, warps, stages) | "
+              "achieved | of copy bw | bundled best here (us) | bundled ref. figure (us) | "
+              "speedup vs bundled here | contiguous (us) | paging overhead | heads_first (us) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["decode"]:
+        best = r.get("best")
+        t = best["us"] if best else None
+        tb = r["kv_bytes"] / (t * 1e-6) / 1e12 if t else None
+        bb = r.get("bundled_best_us")
+        tun = (f"{best['pages_per_compute_block']}, {best['num_splits']}, {best['num_warps']}, "
+               f"{best['num_stages']}") if best else "-"
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {fmt(t, '{:.1f}')} | {tun} | "
+            f"{fmt(tb, '{:.2f}')} TB/s | {fmt(tb / copy * 100 if tb and copy else None)}% | "
+            f"{fmt(bb, '{:.1f}')} | {BUNDLED_BEST.get((r['batch'], r['context']), '-')} | "
+            f"{fmt(bb / t if bb and t else None, '{:.2f}')}x | "
+            f"{fmt(r.get('contiguous_us'), '{:.1f}')} | "
+            f"{fmt((t / r['contiguous_us'] - 1) * 100 if t and r.get('contiguous_us') else None, '{:+.1f}')}% | "
+            f"{fmt(r.get('heads_first_us'), '{:.1f}')} |")
+    lines += ["", "Prefill (bf16, permuted pages) vs cuDNN dense attention on the same tokens:", "",
+              "| workload | tokens | paxkv best (us) | tuning (block_q, ppcb, warps, stages) | "
+              "TFLOP/s | cuDNN (us) | paxkv / cuDNN |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["prefill"]:
+        best = r.get("best")
+        t = best["us"] if best else None
+        tun = (f"{best['block_q']}, {best['pages_per_compute_block']}, {best['num_warps']}, "
+               f"{best['num_stages']}") if best else "-"
+        c = r.get("cudnn_us")
+        note = "" if r.get("cudnn_causal", True) else " (cuDNN non-causal)"
+        lines.append(f"| {r['name']}{note} | {r['seqs'] * r['q_len']} | {fmt(t, '{:.1f}')} | "
+                     f"{tun} | {fmt(r['flops'] / (t * 1e-6) / 1e12 if t else None, '{:.0f}')} | "
+                     f"{fmt(c, '{:.1f}')} | {fmt(t / c if t and c else None, '{:.2f}')}x |")
+    if "mixed_backend_err" in results:
+        lines += ["", f"Mixed batch through the pallas backend vs reference_attention: rel. err "
+                      f"{results['mixed_backend_err']:.1e}, all outputs finite: "
+                      f"{results['mixed_backend_finite']}"]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels_table.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table/json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill")
+    args = parser.parse_args()
+    clock = Clock(args.budget)
+    dev = jax.devices()[0]
+    results = {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)),
+               "decode": [], "prefill": []}
+    log(f"JAX {jax.__version__} on {results['device']}")
+    results["bandwidth"] = copy_bandwidth(args.smoke)
+    log(f"copy bandwidth: {results['bandwidth']}")
+    for name, section in (("mixed", lambda: mixed_check(args, results)),
+                          ("decode", lambda: decode_section(args, clock, results)),
+                          ("prefill", lambda: prefill_section(args, clock, results))):
+        if name in args.skip.split(","):
+            continue
+        try:
+            section()
+        except Exception:
+            log(f"section {name} FAILED:\n{traceback.format_exc()[-2000:]}")
+    text = write_report(args, results)
+    log("\n" + text)
+    log(f"total {time.perf_counter() - clock.start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Tiny Hugging Face checkpoints and tokenizers for tests (torch CPU, float32).
+
+`make_hf_checkpoint(path, **overrides)` saves a random `LlamaForCausalLM` with
+`save_pretrained`; `TINY_CONFIGS` names the variants the model tests cover. Weights use a
+larger init range than HF's default and random RMSNorm gains, so that logits are spread out
+(greedy choices are not near-ties) and a model that ignored a norm weight would fail.
+`make_tiny_tokenizer(path)` writes a byte-level BPE tokenizer with Llama-3's special tokens.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+BASE_CONFIG: dict[str, Any] = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=1, rope_theta=10000.0,
+    max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+)
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # 8 query heads over 2 kv heads (ratio 4), head_dim 16 != hidden / heads.
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # original_max_position_embeddings 32, prompts longer than that; theta 10000 and
+    # head_dim 16 put frequencies in all three bands (kept, blended, divided by factor).
+    "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=1, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}),
+    "sharded": dict(num_attention_heads=4, num_key_value_heads=2, _max_shard_size="40KB"),
+}
+
+
+def make_hf_llama(seed: int = 0, init_std: float = 0.1, **overrides: Any):
+    """A random transformers LlamaForCausalLM (float32, eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = {**BASE_CONFIG, "initializer_range": init_std}
+    kwargs.update({k: v for k, v in overrides.items() if not k.startswith("_")})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def make_hf_checkpoint(path: str | os.PathLike, seed: int = 0, init_std: float = 0.1,
+                       **overrides: Any) -> str:
+    """Save a random tiny Llama with `save_pretrained`; `_max_shard_size` shards it."""
+    model = make_hf_llama(seed=seed, init_std=init_std, **overrides)
+    shard = overrides.get("_max_shard_size")
+    path = os.fspath(path)
+    if shard:
+        model.save_pretrained(path, max_shard_size=shard)
+    else:
+        model.save_pretrained(path)
+    return path
+
+
+def load_hf_model(path: str | os.PathLike):
+    """transformers' own load of a checkpoint directory, float32, eval mode."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32).eval()
+
+
+def hf_logits(model, token_ids: list[int]):
+    """Float32 numpy logits `[len, vocab]` of one unpadded prompt."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids], dtype=torch.long))
+    return out.logits[0].float().numpy()
+
+
+def hf_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate(do_sample=False), never stopping early; new tokens only."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([token_ids], dtype=torch.long)
+    with torch.no_grad():
+        # An explicit mask: otherwise generate() masks every prompt token equal to the pad id.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    return out[0, len(token_ids):].tolist()
+
+
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                         "<|end_header_id|>", "<|eot_id|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the key value cache in fixed size blocks.",
+    "A block table maps logical blocks of a sequence to physical blocks in memory.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "user assistant system: you are a helpful assistant.",
+] * 20
+
+
+def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 320,
+                        chat_template: str | None = None, add_generation_config: bool = True) -> str:
+    """Byte-level BPE with Llama-3's special tokens, saved as tokenizer.json + config.
+
+    BOS is prepended by the post-processor (as Llama-3's tokenizer does); `<|eot_id|>` is
+    listed as an extra EOS in generation_config.json, as Llama-3-Instruct checkpoints do.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    bos_id = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+        special_tokens=[("<|begin_of_text|>", bos_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                   eos_token="<|end_of_text|>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    path = os.fspath(path)
+    fast.save_pretrained(path)
+    if add_generation_config:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": bos_id,
+                       "eos_token_id": [tok.token_to_id("<|end_of_text|>"),
+                                        tok.token_to_id("<|eot_id|>")]}, f)
+    return path

@@ -1,0 +1,151 @@
+"""Decode paged-attention kernel (Pallas interpret mode) vs its jnp reference and paxkv's
+reference_attention, on fresh random inputs: permuted block tables, lengths ending mid-block,
+length 1, padding rows (length 0), GQA 1/4/8, block sizes 8/16/32, fp32 and bf16, split-K."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.paged_attention import (
+    choose_num_splits,
+    paged_attention,
+    paged_attention_reference,
+)
+from paxkv.model.attention import reference_attention
+from paxkv.model.batch import StepBatch
+
+HEAD_DIM = 32
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def make_case(seed, *, batch, q_heads, kv_heads, block_size, max_blocks, lens, dtype,
+              layout="blocks_first"):
+    """Random pages, a random permutation of pages into block tables (block 0 = null)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = batch * max_blocks + 3
+    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((batch, q_heads, HEAD_DIM)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, num_blocks))[: batch * max_blocks]
+    tables = perm.reshape(batch, max_blocks).astype(np.int32)
+    lens = np.asarray(lens, np.int32)
+    for b in range(batch):                       # unused table entries point at the null block
+        tables[b, -(-int(lens[b]) // block_size):] = 0
+    if layout == "heads_first":
+        k, v = np.moveaxis(k, 2, 0), np.moveaxis(v, 2, 0)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables), jnp.asarray(lens))
+
+
+def decode_step_batch(tables, lens) -> StepBatch:
+    """A decode StepBatch: one new token per sequence, at position len - 1."""
+    batch = tables.shape[0]
+    return StepBatch(
+        token_ids=jnp.zeros((batch,), jnp.int32),
+        positions=jnp.maximum(lens - 1, 0),
+        slot_mapping=jnp.zeros((batch,), jnp.int32),
+        block_tables=tables,
+        context_lens=lens,
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
+        logits_indices=jnp.arange(batch, dtype=jnp.int32),
+    )
+
+
+CASES = [
+    # (q_heads, kv_heads, block_size, max_blocks, lens, dtype, splits, ppcb)
+    (4, 4, 8, 6, [37, 1, 48, 0], jnp.float32, 1, 2),      # GQA 1
+    (8, 2, 16, 5, [33, 80, 1, 17], jnp.float32, 2, 1),    # GQA 4, split-K
+    (16, 2, 8, 8, [61, 5, 0, 64], jnp.float32, 3, 2),     # GQA 8, uneven splits
+    (8, 2, 32, 3, [95, 1, 40, 64], jnp.float32, 2, 1),    # larger block
+    (8, 2, 16, 5, [79, 2, 16, 0], jnp.bfloat16, 1, 2),
+    (16, 2, 8, 8, [63, 9, 1, 30], jnp.bfloat16, 4, 2),
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
+def test_decode_matches_references(q_heads, kv_heads, block_size, max_blocks, lens, dtype,
+                                   splits, ppcb):
+    seed = q_heads * 1000 + block_size * 10 + splits + (dtype == jnp.bfloat16)
+    q, k, v, tables, lens_ = make_case(seed, batch=len(lens), q_heads=q_heads, kv_heads=kv_heads,
+                                       block_size=block_size, max_blocks=max_blocks, lens=lens,
+                                       dtype=dtype)
+    out = paged_attention(q, k, v, tables, lens_, num_splits=splits,
+                          pages_per_compute_block=ppcb, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert bool(jnp.isfinite(out).all())
+    real = np.asarray(lens) > 0
+    ref = paged_attention_reference(q, k, v, tables, lens_)
+    assert rel_err(out[real], ref[real]) < TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(out[~real], np.float32), 0.0)
+    model_ref = reference_attention(q, k, v, decode_step_batch(tables, lens_), HEAD_DIM ** -0.5)
+    assert rel_err(out[real], model_ref[real]) < TOL[dtype]
+
+
+def test_heads_first_layout_and_default_tuning():
+    q, k, v, tables, lens = make_case(7, batch=3, q_heads=8, kv_heads=2, block_size=16,
+                                      max_blocks=4, lens=[50, 3, 64], dtype=jnp.float32,
+                                      layout="heads_first")
+    out = paged_attention(q, k, v, tables, lens, pages_layout="heads_first", interpret=True)
+    ref = paged_attention_reference(q, k, v, tables, lens, pages_layout="heads_first")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_quantized_fp8_pages_with_scales():
+    q, k, v, tables, lens = make_case(11, batch=2, q_heads=8, kv_heads=2, block_size=8,
+                                      max_blocks=5, lens=[39, 12], dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    ks = jnp.asarray(rng.uniform(0.5, 2.0, k.shape[:3]), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, v.shape[:3]), jnp.float32)
+    k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+    out = paged_attention(q, k8, v8, tables, lens, ks, vs, num_splits=2,
+                          pages_per_compute_block=2, interpret=True)
+    ref = paged_attention_reference(q, k8, v8, tables, lens, ks, vs)
+    assert rel_err(out, ref) < 1e-5
+    batch = decode_step_batch(tables, lens)
+    model_ref = reference_attention(q, k8, v8, batch, HEAD_DIM ** -0.5, ks, vs)
+    assert rel_err(out, model_ref) < 1e-5
+
+
+def test_poisoned_pages_past_length_do_not_leak():
+    """NaN in the tail of the last page and in unused table entries must not reach outputs."""
+    q, k, v, tables, lens = make_case(5, batch=2, q_heads=8, kv_heads=2, block_size=8,
+                                      max_blocks=3, lens=[13, 20], dtype=jnp.float32)
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    last_page = int(tables[0, 1])
+    k = k.at[last_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
+    v = v.at[last_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
+    out = paged_attention(q, k, v, tables, lens, num_splits=2, pages_per_compute_block=2,
+                          interpret=True)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 64, 8) == 1          # plenty of programs already
+    assert choose_num_splits(16, 8, 512, 8) > 1          # few sequences, long context
+    assert choose_num_splits(1, 8, 2, 8) == 1             # too short to split
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("block_tables", dict(tables=jnp.zeros((3, 4), jnp.int32))),
+    ("context_lens", dict(lens=jnp.zeros((2,), jnp.float32))),
+    ("q_heads", dict(q=jnp.zeros((2, 7, HEAD_DIM)))),
+    ("head_dim", dict(q=jnp.zeros((2, 8, 16)))),
+    ("pages_per_compute_block", dict(ppcb=3)),
+])
+def test_bad_input_names_field(field, kwargs):
+    q, k, v, tables, lens = make_case(0, batch=2, q_heads=8, kv_heads=2, block_size=8,
+                                      max_blocks=4, lens=[5, 9], dtype=jnp.float32)
+    args = dict(q=q, tables=tables, lens=lens, ppcb=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        paged_attention(args["q"], k, v, args["tables"], args["lens"],
+                        pages_per_compute_block=args["ppcb"], interpret=True)

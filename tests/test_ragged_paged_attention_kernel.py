@@ -1,0 +1,144 @@
+"""Ragged paged-attention kernel (Pallas interpret mode) vs its jnp reference and paxkv's
+reference_attention: prompts, chunks over cached context, decode rows and padding in one
+batch; permuted block tables, lengths ending mid-block, GQA 1/4/8, block sizes 8/16/32,
+fp32 and bf16."""
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (
+    build_work_list,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from paxkv.model.attention import reference_attention
+from paxkv.model.batch import StepBatch
+
+HEAD_DIM = 32
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def make_case(seed, *, q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens, dtype):
+    """Random pool; each sequence's pages are a random permutation of pool blocks."""
+    rng = np.random.default_rng(seed)
+    seqs = len(q_lens)
+    max_blocks = max(1, max(-(-c // block_size) for c in ctx_lens))
+    num_blocks = seqs * max_blocks + 2
+    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    tables = rng.permutation(np.arange(1, num_blocks))[: seqs * max_blocks]
+    tables = tables.reshape(seqs, max_blocks).astype(np.int32)
+    for s, c in enumerate(ctx_lens):
+        tables[s, -(-c // block_size):] = 0
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(cu[-1]) + pad_tokens
+    q = rng.standard_normal((tokens, q_heads, HEAD_DIM)).astype(np.float32)
+    pos = np.zeros(tokens, np.int32)
+    for s in range(seqs):
+        pos[cu[s]:cu[s + 1]] = ctx_lens[s] - q_lens[s] + np.arange(q_lens[s])
+    batch = StepBatch(
+        token_ids=jnp.zeros((tokens,), jnp.int32), positions=jnp.asarray(pos),
+        slot_mapping=jnp.zeros((tokens,), jnp.int32), block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray(ctx_lens, jnp.int32), cu_q_lens=jnp.asarray(cu),
+        logits_indices=jnp.asarray(np.maximum(cu[1:] - 1, 0), jnp.int32))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), batch,
+            int(cu[-1]))
+
+
+CASES = [
+    # (q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens, dtype, block_q, ppcb)
+    ([13, 1, 20, 0], [13, 40, 53, 0], 4, 4, 8, 3, jnp.float32, 16, 2),     # GQA 1
+    ([9, 1, 30], [9, 17, 70], 8, 2, 16, 2, jnp.float32, 4, 1),             # GQA 4
+    ([21, 0, 5], [21, 0, 38], 16, 2, 8, 0, jnp.float32, 2, 4),             # GQA 8
+    ([40, 3], [95, 3], 8, 2, 32, 5, jnp.float32, 8, 1),                    # block 32
+    ([17, 1, 11], [17, 29, 60], 8, 2, 16, 4, jnp.bfloat16, 4, 2),
+    ([7, 12], [7, 44], 16, 2, 8, 1, jnp.bfloat16, 2, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,q_heads,kv_heads,block_size,pad_tokens,dtype,block_q,ppcb", CASES)
+def test_ragged_matches_references(q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens,
+                                   dtype, block_q, ppcb):
+    seed = sum(q_lens) * 100 + q_heads + block_size
+    q, k, v, batch, real = make_case(seed, q_lens=q_lens, ctx_lens=ctx_lens, q_heads=q_heads,
+                                     kv_heads=kv_heads, block_size=block_size,
+                                     pad_tokens=pad_tokens, dtype=dtype)
+    out = ragged_paged_attention(q, k, v, batch.block_tables, batch.context_lens,
+                                 batch.cu_q_lens, block_q=block_q,
+                                 pages_per_compute_block=ppcb, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_array_equal(np.asarray(out[real:], np.float32), 0.0)  # padding tokens
+    ref = ragged_paged_attention_reference(q, k, v, batch.block_tables, batch.context_lens,
+                                           batch.cu_q_lens)
+    assert rel_err(out[:real], ref[:real]) < TOL[dtype]
+    model_ref = reference_attention(q, k, v, batch, HEAD_DIM ** -0.5)
+    assert rel_err(out[:real], model_ref[:real]) < TOL[dtype]
+
+
+def test_default_tuning_and_quantized_int8_pages():
+    q, k, v, batch, real = make_case(4, q_lens=[6, 1, 19], ctx_lens=[6, 33, 41], q_heads=8,
+                                     kv_heads=2, block_size=8, pad_tokens=2,
+                                     dtype=jnp.float32)
+    rng = np.random.default_rng(8)
+    k8 = jnp.asarray(rng.integers(-127, 128, k.shape), jnp.int8)
+    v8 = jnp.asarray(rng.integers(-127, 128, v.shape), jnp.int8)
+    ks = jnp.asarray(rng.uniform(0.001, 0.02, k.shape[:3]), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.001, 0.02, v.shape[:3]), jnp.float32)
+    out = ragged_paged_attention(q, k8, v8, batch.block_tables, batch.context_lens,
+                                 batch.cu_q_lens, ks, vs, interpret=True)
+    model_ref = reference_attention(q, k8, v8, batch, HEAD_DIM ** -0.5, ks, vs)
+    assert rel_err(out[:real], model_ref[:real]) < 1e-5
+
+
+def test_poisoned_pages_past_context_do_not_leak():
+    q, k, v, batch, real = make_case(6, q_lens=[5, 9], ctx_lens=[13, 9], q_heads=8, kv_heads=2,
+                                     block_size=8, pad_tokens=0, dtype=jnp.float32)
+    ref = reference_attention(q, k, v, batch, HEAD_DIM ** -0.5)
+    tail_page = int(batch.block_tables[0, 1])            # keys 8..15 of sequence 0; 13.. unused
+    k = k.at[tail_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
+    v = v.at[tail_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
+    out = ragged_paged_attention(q, k, v, batch.block_tables, batch.context_lens,
+                                 batch.cu_q_lens, block_q=4, pages_per_compute_block=2,
+                                 interpret=True)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_work_list_covers_every_token_once():
+    cu = jnp.asarray([0, 5, 5, 17, 18], jnp.int32)
+    num_tokens, block_q = 21, 4
+    cu_ext, seq, tile = build_work_list(cu, num_tokens, block_q)
+    covered = np.zeros(num_tokens, int)
+    for s, t in zip(np.asarray(seq), np.asarray(tile)):
+        if s < 0:
+            continue
+        start = int(cu_ext[s]) + int(t) * block_q
+        end = min(start + block_q, int(cu_ext[s + 1]))
+        covered[start:end] += 1
+    np.testing.assert_array_equal(covered, 1)            # padding tokens 18..20 included
+
+
+@pytest.mark.parametrize("field,change", [
+    ("cu_q_lens", lambda a: a.update(cu=jnp.zeros((2,), jnp.int32))),
+    ("context_lens", lambda a: a.update(lens=jnp.zeros((3,), jnp.int32))),
+    ("q_heads", lambda a: a.update(q=jnp.zeros((4, 7, HEAD_DIM)))),
+    ("block_q", lambda a: a.update(block_q=-1)),
+])
+def test_bad_input_names_field(field, change):
+    q, k, v, batch, _ = make_case(0, q_lens=[3, 1], ctx_lens=[3, 9], q_heads=8, kv_heads=2,
+                                  block_size=8, pad_tokens=0, dtype=jnp.float32)
+    args = dict(q=q, lens=batch.context_lens, cu=batch.cu_q_lens, block_q=None)
+    change(args)
+    with pytest.raises(ValueError, match=field):
+        ragged_paged_attention(args["q"], k, v, batch.block_tables, args["lens"], args["cu"],
+                               block_q=args["block_q"], interpret=True)
