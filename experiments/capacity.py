@@ -7,7 +7,8 @@ weights, 9 GB left, 72k tokens at 128 KiB each, twice that with FP8) and the pap
 (OPT-13B on an A100-40GB: 26 GB of weights, 65%; KV cache over 30%).
 
     PYTHONPATH=. python3 experiments/capacity.py                  # arithmetic only (CPU)
-    PYTHONPATH=. python3 experiments/capacity.py --setting=gpu    # also checks the plan on the device
+    PYTHONPATH=. python3 experiments/capacity.py --setting=gpu    # also checks the plan on the
+                                                                  # device: capacity_device.*
 """
 from __future__ import annotations
 
@@ -184,7 +185,12 @@ def _tables(rows: list[dict[str, Any]], device: dict[str, Any] | None, s: config
           f"{r['tokens']:,}", f"{r['blocks']:,}", r["max_seqs_at_seq_len"]] for r in rows])
     table = "## Against the reference points\n\n" + compare + "\n\n## All plans\n\n" + full
     if device:
-        table += "\n\n## Checked on the device\n\n" + common.markdown_table(
+        table += ("\n\n## Checked on the device\n\n"
+                  f"{device['model']} with random bf16 weights, then a bf16 page pool of the planned size, "
+                  "allocated on the device. The plan here is made against the memory JAX may use (its "
+                  "`bytes_limit`, set by XLA_PYTHON_CLIENT_MEM_FRACTION), not the driver's total, with the "
+                  "same budget and reserve as the \"engine default\" rows; measured = growth of JAX's "
+                  "`bytes_in_use`.\n\n") + common.markdown_table(
             ["what", "planned", "measured"],
             [["weights (random bf16)", f"{device['weights_planned'] / GiB:.2f} GiB", f"{device['weights_measured'] / GiB:.2f} GiB"],
              [f"KV pool ({device['pool_blocks']:,} blocks)", f"{device['pool_planned'] / GiB:.2f} GiB",
@@ -208,8 +214,10 @@ def main(argv: list[str]) -> None:
     device = measure_on_device(s) if s.measure_on_device else None
     table, notes = _tables(rows, device, s)
     hardware = device["device"] if device else common.host_hardware("arithmetic only")
+    # The device check gets its own files, so the CPU run does not overwrite it.
+    name = NAME + "_device" if device else NAME
     paths = common.write_results(
-        NAME, FLAGS.out_dir, title="KV cache capacity: where an accelerator's memory goes",
+        name, FLAGS.out_dir, title="KV cache capacity: where an accelerator's memory goes",
         command=common.command_line(), hardware=hardware, settings=dataclasses.asdict(s),
         results={"plans": rows, "device_check": device, "worked_example_reference": WORKED_EXAMPLE,
                  "paper": common.PAPER["memory_layout"]},

@@ -50,6 +50,10 @@ PAPER: dict[str, Any] = {
 }
 
 
+# Environment variables that change what an experiment measures; recorded in its command.
+_RECORDED_ENV = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command that reproduces this run, relative to the repository root."""
     argv = list(sys.argv if argv is None else argv)
@@ -58,7 +62,8 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if here.startswith(root + os.sep):
         script = os.path.relpath(here, root)
-    return "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in [script, *argv[1:]])
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in _RECORDED_ENV if os.environ.get(k)]
+    return " ".join([*env, "PYTHONPATH=. python3"] + [shlex.quote(a) for a in [script, *argv[1:]]])
 
 
 def host_hardware(what: str = "host code only") -> str:

@@ -8,7 +8,7 @@ the next power of two of the final length, and to the final length itself (the p
 Orca Max / Pow2 / Oracle), and the engine's static request-level batching.
 
     PYTHONPATH=. python3 experiments/kv_utilization.py
-    PYTHONPATH=. python3 experiments/kv_utilization.py --setting=tiny --out_dir=/some/dir
+    PYTHONPATH=. python3 experiments/kv_utilization.py --setting=tiny --out_dir=DIR
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _fig(rows: list[dict[str, Any]], s: configs.KVUtilizationSettings):
     ax.set_xticks(ticks, labels, fontsize=6.5)
     ax.set_ylabel("% of KV slots held by running requests")
     ax.set_title("Where the held KV memory goes (loaded steps)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     ax = axes[1]
     for trace, _ in s.traces:
         ps = [r for r in rows if r["trace"] == trace and r["policy"] == "paged"]

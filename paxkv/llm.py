@@ -44,6 +44,7 @@ class _Request:
     forked: bool = False
     aborted: bool = False
     num_cached_tokens: int = 0
+    beam: Any = None            # BeamState for beam-search requests
 
     def sample_seed(self, index: int) -> int:
         """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""
@@ -53,6 +54,8 @@ class _Request:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return self.forked_or_single and all(s.status.is_finished() for s in self.samples)
 
     @property
@@ -85,6 +88,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._aborted_outputs: list[RequestOutput] = []
+        self._beam_results: dict[str, _Request] = {}
         self._step_index = 0
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -103,6 +107,17 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
         return None, ids
 
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
+                             f"{self.max_model_len}")
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
@@ -113,15 +128,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
+        self._validate_prompt(ids)
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
-                             f"{self.max_model_len}")
         if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError("stop_token_ids holds an id outside the vocabulary")
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
@@ -148,6 +156,33 @@ class LLMEngine:
             self._aborted_outputs.append(self._make_output(req))
             self._retire(req)
 
+    def add_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> str:
+        """Queue one beam-search request; its beams are forks sharing the prompt's blocks."""
+        from paxkv.beam_search import BeamState
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        request_id = f"beam-{next(self._seq_ids)}"
+        text, ids = self._encode(prompt)
+        self._validate_prompt(ids)
+        seq = Seq(next(self._seq_ids), request_id, ids, params, time.monotonic())
+        req = _Request(request_id, text, ids, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
+                       0, [seq])
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        req.beam = BeamState(seq, params.beam_width, max_tokens, params.length_penalty,
+                             params.early_stopping, eos)
+        self.requests[request_id] = req
+        self._owner[seq.seq_id] = (req, 0)
+        self.scheduler.add_seq(seq)
+        return request_id
+
+    def pop_beam_result(self, request_id: str) -> Any:
+        req = self._beam_results.pop(request_id)
+        decode = None
+        if self.tokenizer is not None:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return req.beam.result(req.prompt_token_ids, decode)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -160,6 +195,8 @@ class LLMEngine:
         from paxkv.runner import SampleRow
         req, index = self._owner[seq.seq_id]
         p = req.params
+        if req.beam is not None:   # greedy row + the top-K continuations of this beam
+            return [SampleRow(item=chunk_index, num_logprobs=req.beam.keep)]
         indices = [index]
         if not req.forked and p.best_of > 1:
             indices = list(range(p.best_of))   # first token of every sample from one prefill
@@ -183,10 +220,11 @@ class LLMEngine:
         changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
         self._aborted_outputs = []
         host_s = device_s = compile_s = 0.0
+        # Block movement first, in this order, even on a step with nothing to compute.
+        self.runner.swap_out(out.blocks_to_swap_out)
+        self.runner.swap_in(out.blocks_to_swap_in)
+        self.runner.copy_blocks(out.blocks_to_copy)
         if out.chunks:
-            self.runner.swap_out(out.blocks_to_swap_out)
-            self.runner.swap_in(out.blocks_to_swap_in)
-            self.runner.copy_blocks(out.blocks_to_copy)
             items, rows, row_owner = [], [], []
             for i, c in enumerate(out.chunks):
                 seq = c.seq
@@ -207,7 +245,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting, num_swapped=self.scheduler.num_swapped,
             num_seqs_scheduled=len(out.chunks), num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens, num_preemptions=len(out.preempted),
-            blocks_used=bm.num_used_blocks, blocks_free=bm.num_free_blocks,
+            blocks_used=bm.num_used_blocks, blocks_free=bm.num_available_blocks,
             blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
             device_s=device_s, compile_s=compile_s, wall_s=wall))
         self.metrics.prefix_cache_queries = bm.prefix_cache_queries
@@ -218,10 +256,16 @@ class LLMEngine:
     def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
                        changed: dict[str, RequestOutput]) -> None:
         touched: dict[str, _Request] = {}
+        beams: dict[str, _Request] = {}
         r = 0
         while r < len(rows):
             seq = row_owner[r]
             req, index = self._owner[seq.seq_id]
+            if req.beam is not None:
+                req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
+                beams[req.request_id] = req
+                r += 1
+                continue
             group = 1
             if not req.forked and req.params.best_of > 1:
                 group = req.params.best_of
@@ -236,11 +280,28 @@ class LLMEngine:
                              sample.top_ids[r + j], sample.top_logprobs[r + j])
             touched[req.request_id] = req
             r += group
+        for rid, req in beams.items():
+            if req.beam.ready():
+                req.beam.advance(self._fork_beam, self._drop_beam)
+                if req.beam.done:
+                    self._beam_results[rid] = req
+                    self._retire(req)
         for rid, req in touched.items():
             changed[rid] = self._make_output(req)
             if req.finished:
                 self.metrics.num_requests_finished += 1
                 self._retire(req)
+
+    def _fork_beam(self, parent: Seq) -> Seq:
+        child = self.scheduler.fork(parent, next(self._seq_ids))
+        req, _ = self._owner[parent.seq_id]
+        req.samples.append(child)
+        self._owner[child.seq_id] = (req, len(req.samples) - 1)
+        return child
+
+    def _drop_beam(self, seq: Seq) -> None:
+        if not seq.status.is_finished():
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids: Any,
                 top_lps: Any) -> None:

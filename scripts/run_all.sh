@@ -37,7 +37,7 @@ run experiments/kv_utilization.py --setting=cpu
 if [[ "$GPU" == 1 ]]; then
   # Let JAX plan against nearly the whole device, as a serving engine would.
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
-  # The gpu setting of capacity writes capacity.json too: the device check joins the plans.
+  # Writes capacity_device.{json,md,png}: the plans plus weights and pool allocated on the device.
   run experiments/capacity.py --setting=gpu
 fi
 echo "done: results in $OUT_DIR/" >&2

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from paxkv.cache.block_manager import BlockManager
 from paxkv.engine.scheduler import ScheduledChunk
 from paxkv.engine.sequence import Sequence, SequenceStatus
-from paxkv.engine.simulate import KVContentModel
+from paxkv.engine.kv_check import KVContentModel
 
 BS = 4
 
@@ -256,7 +256,7 @@ def test_lru_eviction_order():
     b2 = make_seq(4, list(range(50, 59)))
     assert bm.num_cached_prefix_tokens(b2) == 8
     # A hit moves the block out of the evictable set, so it counts against availability.
-    assert bm._blocks_to_allocate(b2, 9) == 3  # 2 evictable hits + 1 fresh
+    assert bm.blocks_to_allocate(b2, 9) == 3  # 2 evictable hits + 1 fresh
     bm.check_invariants()
 
 

@@ -25,17 +25,35 @@ ATOL = 1e-4
 BLOCK_SIZE = 5
 PROMPT_LENS = (13, 7, 45, 70, 1)   # > 32 = original_max_position_embeddings of llama3_rope
 GREEDY_TOKENS = 32
+MAX_LEN = max(PROMPT_LENS) + GREEDY_TOKENS
+PREFILL_TOKENS, PREFILL_SEQS = 144, 6   # one padded prefill bucket for every paged test
+
+
+# The dense KV-cache path shares every layer with the paths tested on all variants; two
+# variants (GQA, llama3 RoPE) cover its own code and keep the suite's compile count down.
+DENSE_CACHE_CONFIGS = ("gqa", "llama3_rope")
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(name: str, tmp_path_factory) -> tuple:
+    if name not in _BUILT:
+        path = make_hf_checkpoint(tmp_path_factory.mktemp(name), seed=7, **TINY_CONFIGS[name])
+        params, cfg = load_checkpoint(path, dtype="float32")
+        hf = load_hf_model(path)
+        rng = np.random.default_rng(len(name))
+        prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+        _BUILT[name] = (name, params, cfg, hf, prompts)
+    return _BUILT[name]
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def setup(request, tmp_path_factory):
-    name = request.param
-    path = make_hf_checkpoint(tmp_path_factory.mktemp(name), seed=7, **TINY_CONFIGS[name])
-    params, cfg = load_checkpoint(path, dtype="float32")
-    hf = load_hf_model(path)
-    rng = np.random.default_rng(len(name))
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
-    return name, params, cfg, hf, prompts
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=DENSE_CACHE_CONFIGS)
+def dense_setup(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
 
 
 class PagedSeqs:
@@ -88,14 +106,14 @@ class PagedSeqs:
 
 def test_paged_prefill_logits_match_transformers(setup):
     name, params, cfg, hf, prompts = setup
-    seqs = PagedSeqs(len(prompts), max(PROMPT_LENS), BLOCK_SIZE, seed=1)
+    seqs = PagedSeqs(len(prompts), MAX_LEN, BLOCK_SIZE, seed=1)
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
-    batch = seqs.batch(prompts)
+    batch = seqs.batch(prompts, PREFILL_TOKENS, PREFILL_SEQS)
     last, _ = llama.forward_jit(params, batch, pool, cfg)
-    assert last.shape == (len(prompts) + 1, cfg.vocab_size) and last.dtype == jnp.float32
+    assert last.shape == (PREFILL_SEQS, cfg.vocab_size) and last.dtype == jnp.float32
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
     every, _ = llama.forward_jit(params, batch, pool, cfg, all_logits=True)
-    assert every.shape == (sum(PROMPT_LENS) + 3, cfg.vocab_size)
+    assert every.shape == (PREFILL_TOKENS, cfg.vocab_size)
     start = 0
     for i, prompt in enumerate(prompts):
         ref = hf_logits(hf, prompt)
@@ -108,15 +126,16 @@ def test_paged_chunked_prefill_then_decode_matches_transformers_greedy(setup):
     """Prefill in two chunks per prompt, then decode all sequences together, greedily."""
     name, params, cfg, hf, prompts = setup
     prompts = prompts[:4]  # the length-1 prompt cannot be chunked
-    seqs = PagedSeqs(len(prompts), max(PROMPT_LENS) + GREEDY_TOKENS, BLOCK_SIZE, seed=2)
+    seqs = PagedSeqs(len(PROMPT_LENS), MAX_LEN, BLOCK_SIZE, seed=2)
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
     cut = [len(p) // 2 + 1 for p in prompts]
     # Step 1: first chunks of sequences 0 and 2 only; step 2: the rest of everything.
-    # Both padded to one bucket (128 tokens, 5 rows): one compilation, as in the engine.
+    # Both padded to the prefill bucket of the test above, as the engine's runner pads:
+    # one compilation for both steps.
     step1 = [p[:c] if i % 2 == 0 else [] for i, (p, c) in enumerate(zip(prompts, cut))]
     step2 = [p[c:] if i % 2 == 0 else p for i, (p, c) in enumerate(zip(prompts, cut))]
-    _, pool = llama.forward_jit(params, seqs.batch(step1, 128, 5), pool, cfg)
-    logits, pool = llama.forward_jit(params, seqs.batch(step2, 128, 5), pool, cfg)
+    _, pool = llama.forward_jit(params, seqs.batch(step1, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
+    logits, pool = llama.forward_jit(params, seqs.batch(step2, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[i]), hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
     generated = [[int(t)] for t in np.argmax(np.asarray(logits[:len(prompts)]), axis=-1)]
@@ -141,9 +160,9 @@ def test_dense_forward_without_cache_matches_transformers(setup):
         np.testing.assert_allclose(np.asarray(logits[i, :len(p)]), hf_logits(hf, p), atol=ATOL, rtol=0)
 
 
-def test_dense_forward_with_cache_ragged_decode(setup):
+def test_dense_forward_with_cache_ragged_decode(dense_setup):
     """Prefill a right-padded batch, then decode with per-row start positions."""
-    name, params, cfg, hf, prompts = setup
+    name, params, cfg, hf, prompts = dense_setup
     lens = np.array([len(p) for p in prompts])
     ids = np.zeros((len(prompts), lens.max()), np.int32)
     for i, p in enumerate(prompts):
@@ -162,19 +181,20 @@ def test_dense_forward_with_cache_ragged_decode(setup):
             np.testing.assert_allclose(np.asarray(logits[i, 0]), hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
 
 
-def test_dense_greedy_generate_matches_transformers(setup):
-    name, params, cfg, hf, prompts = setup
+def test_dense_greedy_generate_matches_transformers(dense_setup):
+    name, params, cfg, hf, prompts = dense_setup
     # Prompts of one length bucket (one prefill + one decode compilation); 13 + 32 tokens
     # still run past llama3_rope's original_max_position_embeddings of 32.
     for p in (prompts[0], prompts[1], prompts[4]):
         assert llama.greedy_generate(params, cfg, p, GREEDY_TOKENS) == hf_greedy(hf, p, GREEDY_TOKENS)
 
 
-def test_greedy_generate_stops_and_rejects_bad_input(setup):
-    name, params, cfg, hf, prompts = setup
-    full = llama.greedy_generate(params, cfg, prompts[0], 8)
-    assert llama.greedy_generate(params, cfg, prompts[0], 8, stop_token_ids=[full[2]]) == \
-        full[:full.index(full[2]) + 1]
+def test_greedy_generate_stops_and_rejects_bad_input(tmp_path_factory):
+    name, params, cfg, hf, prompts = _build("gqa", tmp_path_factory)
+    full = llama.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS)
+    stop = full[5]
+    assert llama.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS, stop_token_ids=[stop]) == \
+        full[:full.index(stop) + 1]
     with pytest.raises(ValueError, match="prompt_ids"):
         llama.greedy_generate(params, cfg, [], 4)
     with pytest.raises(ValueError, match="prompt_ids"):

@@ -4,7 +4,6 @@ length 1, padding rows (length 0), GQA 1/4/8, block sizes 8/16/32, fp32 and bf16
 from __future__ import annotations
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -129,8 +128,11 @@ def test_poisoned_pages_past_length_do_not_leak():
 
 
 def test_choose_num_splits():
+    # the split counts that measured best on an H200 (results/kernels.md)
+    assert choose_num_splits(32, 8, 64, 8) == 4
+    assert choose_num_splits(64, 8, 128, 8) == 2
+    assert choose_num_splits(16, 8, 512, 8) == 8
     assert choose_num_splits(256, 8, 64, 8) == 1          # plenty of programs already
-    assert choose_num_splits(16, 8, 512, 8) > 1          # few sequences, long context
     assert choose_num_splits(1, 8, 2, 8) == 1             # too short to split
 
 

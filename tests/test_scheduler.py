@@ -15,14 +15,14 @@ from paxkv.cache.block_manager import BlockManager
 from paxkv.config import SchedulerConfig
 from paxkv.engine.scheduler import Scheduler, SchedulerOutput
 from paxkv.engine.sequence import Sequence, SequenceStatus
-from paxkv.engine.simulate import KVContentModel, SimRequest, simulate
+from paxkv.engine.kv_check import CheckRequest, KVContentModel, run_checked
 
 BS = 4
 
 
 def make_sched(num_blocks: int = 64, num_host_blocks: int = 0, caching: bool = True,
                watermark: float = 0.0, **cfg) -> Scheduler:
-    params = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    params = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, watermark=watermark)
     params.update(cfg)
     bm = BlockManager(num_blocks, BS, num_host_blocks, enable_prefix_caching=caching,
                       watermark=watermark)
@@ -58,13 +58,13 @@ class Driver:
 
 
 def random_requests(rng: random.Random, k: int, max_prompt: int = 30, max_out: int = 20,
-                    max_n: int = 3, spread: int = 15) -> list[SimRequest]:
+                    max_n: int = 3, spread: int = 15) -> list[CheckRequest]:
     shared = [rng.randrange(50) for _ in range(max_prompt)]
     reqs = []
     for _ in range(k):
         prompt = shared[:rng.randrange(0, max_prompt)] + [rng.randrange(50) for _ in
                                                            range(rng.randrange(1, 12))]
-        reqs.append(SimRequest(prompt[:max_prompt], rng.randrange(1, max_out),
+        reqs.append(CheckRequest(prompt[:max_prompt], rng.randrange(1, max_out),
                                n=rng.randrange(1, max_n + 1), arrival_step=rng.randrange(spread)))
     return reqs
 
@@ -72,6 +72,8 @@ def random_requests(rng: random.Random, k: int, max_prompt: int = 30, max_out: i
 # ---------------------------------------------------------------- validation
 def test_config_validation():
     bm = BlockManager(8, BS)
+    with pytest.raises(ValueError, match="watermark"):
+        Scheduler(SchedulerConfig(max_model_len=16, watermark=0.0), bm, BS)
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(SchedulerConfig(max_model_len=16), bm, 8)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -325,9 +327,9 @@ def test_forked_group_is_preempted_and_swapped_together():
 
 def test_group_too_big_for_the_pool_sheds_members_instead_of_livelocking():
     # max_model_len 16 fits the pool (7 blocks) but four forks of it do not.
-    reqs = [SimRequest(list(range(6)), max_tokens=10, n=4)]
+    reqs = [CheckRequest(list(range(6)), max_tokens=10, n=4)]
     sched = make_sched(num_blocks=8, max_model_len=16)
-    res = simulate(sched, reqs, max_steps=500)
+    res = run_checked(sched, reqs, max_steps=500)
     assert res.num_preemptions > 0
     assert [len(o) for o in res.outputs["r0"]] == [10] * 4
     sched.check_no_leaks()
@@ -363,7 +365,7 @@ def test_abort_during_random_run_leaks_nothing():
     rng = random.Random(3)
     reqs = random_requests(rng, 20)
     sched = make_sched(num_blocks=20, num_host_blocks=10, preemption_mode="swap")
-    res = simulate(sched, reqs, abort={f"r{i}": rng.randrange(20) for i in range(0, 20, 3)})
+    res = run_checked(sched, reqs, abort={f"r{i}": rng.randrange(20) for i in range(0, 20, 3)})
     assert res.steps > 0
     sched.check_no_leaks()
 
@@ -372,7 +374,7 @@ def test_abort_during_random_run_leaks_nothing():
 def test_static_policy_admits_request_level_batches():
     max_len = 32
     sched = make_sched(policy="static", max_num_seqs=3, max_model_len=max_len, num_blocks=64)
-    reqs = [SimRequest([i, i + 1, i + 2, 5], max_tokens=2 + 3 * i) for i in range(7)]
+    reqs = [CheckRequest([i, i + 1, i + 2, 5], max_tokens=2 + 3 * i) for i in range(7)]
     batches: list[set[int]] = []
 
     def observe(s: Scheduler, out: SchedulerOutput, running_before: list[Sequence]) -> None:
@@ -384,11 +386,11 @@ def test_static_policy_admits_request_level_batches():
                 assert len(c.seq.block_table) * BS >= max_len  # reserved up front
         assert s.num_running <= 3
 
-    res = simulate(sched, reqs, observe=observe)
+    res = run_checked(sched, reqs, observe=observe)
     assert [len(b) for b in batches] == [3, 3, 1]
     # Continuous batching serves the same workload in fewer steps.
     cont = make_sched(max_num_seqs=3, max_model_len=max_len, num_blocks=64)
-    res_cont = simulate(cont, reqs)
+    res_cont = run_checked(cont, reqs)
     assert res_cont.steps < res.steps
     assert res_cont.outputs == res.outputs
 
@@ -415,7 +417,7 @@ CONFIGS = [
 def test_every_policy_gives_the_same_outputs_and_leaks_nothing(cfg):
     rng = random.Random(7)
     reqs = random_requests(rng, 25)
-    ref = simulate(make_sched(num_blocks=400, max_num_seqs=64), reqs).outputs
+    ref = run_checked(make_sched(num_blocks=400, max_num_seqs=64), reqs).outputs
     for num_blocks in (17, 40):  # 17: constant preemption; 40: some
         sched = make_sched(num_blocks=num_blocks, num_host_blocks=12, max_num_seqs=8,
                            max_num_batched_tokens=64, **cfg)
@@ -436,7 +438,7 @@ def test_every_policy_gives_the_same_outputs_and_leaks_nothing(cfg):
                 for r in s.running_seqs:
                     assert s.priority(r) < s.priority(p)
 
-        res = simulate(sched, reqs, observe=observe)
+        res = run_checked(sched, reqs, observe=observe)
         assert res.outputs == ref
         sched.check_no_leaks()
         assert sched.block_manager.num_free_blocks + \
@@ -460,7 +462,7 @@ def test_random_workloads_finish_without_leaks(seed, num_blocks, mode, caching, 
                        preemption_mode=mode, enable_chunked_prefill=chunked, policy=policy,
                        max_num_batched_tokens=budget, max_model_len=32, max_num_seqs=6,
                        watermark=0.05)
-    res = simulate(sched, reqs, max_steps=3000)
+    res = run_checked(sched, reqs, max_steps=3000)
     sched.check_no_leaks()
     for i, r in enumerate(reqs):
         assert [len(o) for o in res.outputs[f"r{i}"]] == [min(r.max_tokens, 32 - len(

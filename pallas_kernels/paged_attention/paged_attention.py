@@ -22,7 +22,6 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -119,13 +118,14 @@ def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
                       pages_per_compute_block: int, num_sms: int = 132,
                       programs_per_sm: int = 4) -> int:
-    """Split count so `batch * kv_heads * splits` fills the GPU a few programs deep,
-    while each split keeps at least two loop steps of pages (power of two, >= 1)."""
+    """Split count so `batch * kv_heads * splits` fills the GPU a few programs deep
+    (rounded up to a power of two), while each split keeps at least two loop steps of
+    pages. Measured on an H200: B=32/ctx 1024 -> 4, B=64/2048 -> 2, B>=128 -> 1."""
     programs = batch * num_kv_heads
     want = _cdiv(num_sms * programs_per_sm, max(programs, 1))
     cap = max(1, max_pages // (2 * pages_per_compute_block))
     splits = 1
-    while splits * 2 <= min(want, cap):
+    while splits < want and splits * 2 <= cap:
         splits *= 2
     return splits
 

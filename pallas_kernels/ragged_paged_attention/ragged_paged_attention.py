@@ -237,7 +237,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_scale: jax.Array | None = None, *, scale: float | None = None,
                            block_q: int | None = None,
                            pages_per_compute_block: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                           num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
 
     Args:

@@ -238,6 +238,10 @@ class BlockManager:
         from_evictable = sum(1 for b in hits if self._ref[b] == 0)
         return from_evictable + max(0, _cdiv(num_tokens, self.block_size) - len(hits))
 
+    def blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `allocate(seq, num_tokens)` would take (evictable prefix hits included)."""
+        return self._blocks_to_allocate(seq, num_tokens)
+
     def can_allocate(self, seq: Sequence, num_tokens: int, use_watermark: bool = True) -> bool:
         """Whether `allocate(seq, num_tokens)` fits, keeping the watermark free for admissions."""
         reserve = self.watermark_blocks if use_watermark else 0
@@ -330,7 +334,8 @@ class BlockManager:
         return self._append_slots_unchecked(seq, num_new_tokens)
 
     def _append_slots_unchecked(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """`append_slots` without the checks, for callers that checked `blocks_needed`."""
+        """`append_slots` without the checks, for callers that checked `blocks_needed`
+        (the scheduler checks a whole group at once, on its per-step hot path)."""
         bs = self.block_size
         table = seq.block_table
         start = seq.num_computed_tokens

@@ -17,17 +17,25 @@ Two policies:
   `max_model_len` tokens up front; nothing else is admitted until all of them finished.
 
 The sequences of one request (forks for n > 1 or beams) are kept together: they are
-preempted, swapped out and swapped in as one group.
+preempted, swapped out and swapped in as one group (a block they share moves to the host
+once). Only a group that cannot fit the pool even alone loses members one at a time.
+
+Progress is guaranteed: the oldest request always gets its blocks (newer ones are preempted
+for it), and with nothing running the admission watermark and the batch-slot limit are
+waived, so the head of the queue always fits (`max_model_len` must fit the pool: checked).
 
 The engine's loop: `out = schedule()`; run `out` on the device (swap-out copies, then swap-in
-copies, then copy-on-write copies, then the forward pass); `on_step_done(out)`; append the
-sampled token of every chunk with `needs_sample`; `finish()` the sequences that stopped.
+copies, then copy-on-write copies, then the forward pass; the copies whenever present, even
+in a step with no chunks); `on_step_done(out)`; append the sampled token of every chunk with
+`needs_sample`; `finish()` the sequences that stopped. A running sequence with no uncomputed
+token (the engine appended none) is simply not scheduled until it has one.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 from collections import deque
+
 from paxkv.cache.block_manager import BlockManager
 from paxkv.config import SchedulerConfig
 from paxkv.engine.sequence import Sequence, SequenceStatus
@@ -99,6 +107,9 @@ class Scheduler:
             raise ValueError(
                 f"max_model_len ({cfg.max_model_len}) needs {_cdiv(cfg.max_model_len, block_size)} "
                 f"blocks of {block_size} tokens but the KV pool has only {capacity}")
+        if abs(cfg.watermark - block_manager.watermark) > 1e-12:
+            raise ValueError(f"SchedulerConfig.watermark ({cfg.watermark}) differs from the block "
+                             f"manager's ({block_manager.watermark}): build both from one value")
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_model_len "
@@ -239,7 +250,7 @@ class Scheduler:
     def finish(self, seq: Sequence, status: SequenceStatus, reason: object = None) -> None:
         """Retire a sequence (stopped, length, aborted): frees its blocks at once.
 
-        `reason` is stored as `seq.stop_reason` (the stop string or token id, if any);
+        `reason`, when given, is stored as `seq.stop_reason` (the stop string or token id);
         `seq.finish_reason` becomes "stop" / "length" / "abort". Finishing an already
         finished sequence is a no-op.
         """
@@ -251,7 +262,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         seq.finish_reason = status.finish_reason
-        seq.stop_reason = reason
+        if reason is not None:
+            seq.stop_reason = reason
         self._untrack(seq)
 
     def fork(self, parent: Sequence, new_seq_id: int) -> Sequence:
@@ -279,6 +291,10 @@ class Scheduler:
         return budget if self.cfg.enable_chunked_prefill else 0
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring for the order and the rules).
+
+        Must be followed by `on_step_done(output)` before the next `schedule()` or `fork()`.
+        """
         if self._pending is not None:
             raise RuntimeError("call on_step_done() for the last step before scheduling the next")
         out = SchedulerOutput()
@@ -553,7 +569,7 @@ class Scheduler:
             cost = self._seat_cost(seq)
             if seats + cost > self.cfg.max_num_seqs and seats:
                 break
-            need = bm._blocks_to_allocate(seq, max_len)
+            need = bm.blocks_to_allocate(seq, max_len)
             extra = (cost - 1) * per_seq
             available = bm.num_available_blocks - reserved_for_forks
             if need + extra > available:

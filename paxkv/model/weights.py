@@ -221,6 +221,16 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
         if fname not in headers:
             headers[fname] = read_safetensors_header(fname)
         by_file.setdefault(fname, []).append(spec)
+    # Check every name and shape before reading any data: a bad checkpoint fails in ms.
+    for spec in specs:
+        header = headers[files[spec.hf_name]][0]
+        if spec.hf_name not in header:
+            raise ValueError(f"tensor {spec.hf_name!r} is not in "
+                             f"{os.path.basename(files[spec.hf_name])} as the index says")
+        shape = tuple(header[spec.hf_name]["shape"])
+        if shape != spec.hf_shape:
+            raise ValueError(f"tensor {spec.hf_name!r} has shape {shape}, "
+                             f"expected {spec.hf_shape} for this config.json")
     total_bytes = sum(math.prod(s.hf_shape) for s in specs) * target.itemsize
     if progress is None:
         progress = total_bytes > (1 << 30)
@@ -231,18 +241,10 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
         for fname, file_specs in by_file.items():
             header, data_start = headers[fname]
             # Read in file order: sequential I/O.
-            file_specs.sort(key=lambda s: header[s.hf_name]["data_offsets"][0]
-                            if s.hf_name in header else -1)
+            file_specs.sort(key=lambda s: header[s.hf_name]["data_offsets"][0])
             with open(fname, "rb") as f:
                 for spec in file_specs:
-                    if spec.hf_name not in header:
-                        raise ValueError(f"tensor {spec.hf_name!r} is not in "
-                                         f"{os.path.basename(fname)} as the index says")
-                    info = header[spec.hf_name]
-                    if tuple(info["shape"]) != spec.hf_shape:
-                        raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(info['shape'])}, "
-                                         f"expected {spec.hf_shape} for this config.json")
-                    host = _read_tensor(f, spec.hf_name, info, data_start)
+                    host = _read_tensor(f, spec.hf_name, header[spec.hf_name], data_start)
                     x = _prepare(jax.device_put(host, put_device), target, spec.transpose)
                     if sharding is not None:
                         x = jax.device_put(x, sharding)

@@ -1,4 +1,4 @@
-"""Run the scheduler and block manager against a model of the KV pool's contents, no model.
+"""Check the scheduler and block manager against a model of what the KV pool holds.
 
 `KVContentModel` stands in for the device (and host) pool: every slot records which token
 prefix its K/V would encode (a chained hash of token_ids[:p + 1], since a transformer's K/V
@@ -7,8 +7,10 @@ copies, then the chunks' writes) and checking every read catches any bookkeeping
 would make the real model attend to wrong or stale K/V: a missed copy-on-write, a cached
 block reused for the wrong prefix, a block freed while still in use, a bad swap map.
 
-`simulate()` drives a whole workload with fake sampled tokens. Tests use it; so can studies
-of scheduling policies (memory use, preemptions, batch sizes) that need no device.
+`run_checked()` drives a whole workload with fake sampled tokens and checks the contents and
+the block manager's invariants after every step; the fake tokens depend only on the request
+and its fork index, so every policy and pool size must produce the same outputs. (For
+memory-policy studies at scale, without the content checks, see `paxkv.simulate`.)
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ class KVContentModel:
 
 
 @dataclasses.dataclass
-class SimRequest:
+class CheckRequest:
     prompt_token_ids: list[int]
     max_tokens: int           # outputs per sequence before it finishes (length)
     n: int = 1                # sequences forked after the prompt's prefill
@@ -95,7 +97,7 @@ class SimRequest:
 
 
 @dataclasses.dataclass
-class SimResult:
+class CheckResult:
     steps: int
     outputs: dict[str, list[list[int]]]        # request id -> output tokens of each sequence
     max_running: int
@@ -113,11 +115,11 @@ def fake_token(branch: tuple[int, int], seq: Sequence, vocab: int) -> int:
     return hash((branch, len(seq.token_ids), seq.token_ids[-1])) % vocab
 
 
-def simulate(scheduler: Scheduler, requests: list[SimRequest], vocab: int = 50,
+def run_checked(scheduler: Scheduler, requests: list[CheckRequest], vocab: int = 50,
              max_steps: int = 100_000, check: bool = True, abort: dict[str, int] | None = None,
              seed: int = 0,
              observe: Callable[[Scheduler, SchedulerOutput, list[Sequence]], None] | None = None,
-             ) -> SimResult:
+             ) -> CheckResult:
     """Serve `requests` to completion with fake tokens, checking the KV contents each step.
 
     `abort` maps request id ("r<index>") -> step at which the request is aborted.
@@ -133,7 +135,7 @@ def simulate(scheduler: Scheduler, requests: list[SimRequest], vocab: int = 50,
     branch: dict[int, tuple[int, int]] = {}  # seq id -> (request index, fork index)
     all_seqs: dict[str, list[Sequence]] = {}
     next_id = 0
-    result = SimResult(0, {}, 0, 0, [], [], [])
+    result = CheckResult(0, {}, 0, 0, [], [], [])
     step = 0
     while pending or scheduler.has_unfinished():
         if step >= max_steps:
