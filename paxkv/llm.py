@@ -21,7 +21,7 @@ from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence as Seq
 from paxkv.engine.sequence import SequenceStatus
 from paxkv.metrics import Metrics, StepStats
-from paxkv.outputs import CompletionOutput, RequestOutput
+from paxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("paxkv")
@@ -45,6 +45,7 @@ class _Request:
     aborted: bool = False
     num_cached_tokens: int = 0
     beam: Any = None            # BeamState for beam-search requests
+    timing: RequestMetrics | None = None
 
     def sample_seed(self, index: int) -> int:
         """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""
@@ -135,7 +136,7 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Seq(next(self._seq_ids), request_id, ids, params, now)
-        req = _Request(request_id, text, ids, params, base_seed, [seq])
+        req = _Request(request_id, text, ids, params, base_seed, [seq], timing=RequestMetrics(now))
         self.requests[request_id] = req
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
@@ -196,24 +197,23 @@ class LLMEngine:
         req, index = self._owner[seq.seq_id]
         p = req.params
         if req.beam is not None:   # greedy row + the top-K continuations of this beam
-            return [SampleRow(item=chunk_index, num_logprobs=req.beam.keep)]
-        indices = [index]
+            return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
+        n_out = seq.num_output_tokens
+        banned: tuple[int, ...] = ()
+        if n_out < p.min_tokens:
+            banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
+        indices = (index,)
         if not req.forked and p.best_of > 1:
-            indices = list(range(p.best_of))   # first token of every sample from one prefill
-        rows = []
-        for i in indices:
-            n_out = seq.num_output_tokens
-            banned: list[int] = []
-            if n_out < p.min_tokens:
-                banned = ([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids)
-            rows.append(SampleRow(item=chunk_index, temperature=p.temperature, top_k=p.top_k,
-                                  top_p=p.top_p, min_p=p.min_p, seed=req.sample_seed(i),
-                                  step=n_out, banned=banned,
-                                  num_logprobs=(p.logprobs or 0)))
-        return rows
+            indices = tuple(range(p.best_of))   # first token of every sample from one prefill
+        return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
+                          n_out, banned, p.logprobs or 0) for i in indices]
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one device step, sample, stop; return the requests that changed."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Schedule, run one device step, sample, stop; return the requests that changed.
+
+        `only_finished` skips building outputs of unfinished requests (generate() needs
+        only finished ones, and at batch 256 building the rest is a real share of host time).
+        """
         from paxkv.runner import WorkItem
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
@@ -237,7 +237,7 @@ class LLMEngine:
             sample, timing = self.runner.execute(items, rows)
             host_s, device_s, compile_s = timing.host_s, timing.device_s, timing.compile_s
             self.scheduler.on_step_done(out)
-            self._apply_samples(sample, rows, row_owner, changed)
+            self._apply_samples(sample, rows, row_owner, changed, only_finished)
         wall = time.perf_counter() - t_start
         bm = self.block_manager
         self.metrics.record(StepStats(
@@ -254,7 +254,9 @@ class LLMEngine:
         return list(changed.values())
 
     def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
-                       changed: dict[str, RequestOutput]) -> None:
+                       changed: dict[str, RequestOutput], only_finished: bool = False) -> None:
+        tokens = sample.tokens.tolist()
+        logprobs = sample.logprobs.tolist()
         touched: dict[str, _Request] = {}
         beams: dict[str, _Request] = {}
         r = 0
@@ -276,7 +278,7 @@ class LLMEngine:
                 req.forked = True
             for j in range(group):
                 target = req.samples[j] if group > 1 else seq
-                self._append(req, target, int(sample.tokens[r + j]), float(sample.logprobs[r + j]),
+                self._append(req, target, tokens[r + j], logprobs[r + j],
                              sample.top_ids[r + j], sample.top_logprobs[r + j])
             touched[req.request_id] = req
             r += group
@@ -286,9 +288,16 @@ class LLMEngine:
                 if req.beam.done:
                     self._beam_results[rid] = req
                     self._retire(req)
+        now = time.monotonic()
         for rid, req in touched.items():
-            changed[rid] = self._make_output(req)
-            if req.finished:
+            if req.timing is not None and req.timing.first_token_time is None:
+                req.timing.first_token_time = now
+            finished = req.finished
+            if finished and req.timing is not None:
+                req.timing.finished_time = now
+            if finished or not only_finished:
+                changed[rid] = self._make_output(req)
+            if finished:
                 self.metrics.num_requests_finished += 1
                 self._retire(req)
 
@@ -365,7 +374,7 @@ class LLMEngine:
             for i, c in enumerate(comps):
                 c.index = i
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, req.timing)
 
 
 def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:
@@ -446,8 +455,9 @@ class LLM:
         self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
                                    tensor_parallel_size=tensor_parallel_size, seed=seed)
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
-        itemsize = jnp.dtype(kv_dtype).itemsize
-        bytes_per_block = block_size * cfg.kv_bytes_per_token(itemsize)
+        # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
+        from paxkv.cache.kv_pool import block_bytes
+        bytes_per_block = block_bytes(cfg, block_size, kv_dtype)
         num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu)
         need = math.ceil(max_model_len / block_size) + 1
         if num_blocks < need:
@@ -459,7 +469,9 @@ class LLM:
         runner = Runner(cfg, params, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                         backend=backend, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=sched.max_num_batched_tokens,
-                        max_model_len=max_model_len, num_host_blocks=num_host_blocks)
+                        max_model_len=max_model_len, num_host_blocks=num_host_blocks,
+                        min_seq_bucket=64 if on_gpu else 4, min_token_bucket=256 if on_gpu else 16,
+                        fixed_shapes=on_gpu)
         self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
         self._request_counter = itertools.count()
 
@@ -513,7 +525,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(ids)
         while wanted - results.keys():
-            for o in engine.step():
+            for o in engine.step(only_finished=True):
                 if o.finished and o.request_id in wanted and o.request_id not in results:
                     results[o.request_id] = o
                     if bar is not None:
@@ -532,8 +544,7 @@ class LLM:
 
 
 def _kv_dtype(name: str) -> Any:
-    import jax.numpy as jnp
-    table = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-    if name not in table:
-        raise ValueError(f"kv_cache_dtype {name!r} is not supported yet")
-    return table[name]
+    """Storage dtype of the KV pages for a `kv_cache_dtype` name other than "auto"; the
+    8-bit ones (fp8 = fp8_e4m3, fp8_e5m2, int8) make a quantized pool with scales."""
+    from paxkv.cache.quant import storage_dtype
+    return storage_dtype(name)

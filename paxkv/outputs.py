@@ -19,6 +19,15 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """Host clock (time.monotonic) stamps of one request's life, for latency figures."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -26,3 +35,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +51,8 @@ class WorkItem:
     block_table: Sequence[int]
 
 
-@dataclasses.dataclass
-class SampleRow:
-    """One token to sample, from the logits of work item `item`."""
+class SampleRow(NamedTuple):
+    """One token to sample, from the logits of work item `item` (a tuple: cheap to build)."""
 
     item: int
     temperature: float = 0.0
@@ -99,15 +98,8 @@ def _copy_blocks(pool: kvp.KVPool, src: jax.Array, dst: jax.Array) -> kvp.KVPool
     return kvp.copy_blocks(pool, src, dst)
 
 
-@jax.jit
-def _gather_blocks(pool: kvp.KVPool, ids: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    return tuple(k[ids] for k in pool.k), tuple(v[ids] for v in pool.v)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_blocks(pool: kvp.KVPool, ids: jax.Array, ks: tuple, vs: tuple) -> kvp.KVPool:
-    return pool._replace(k=tuple(k.at[ids].set(x) for k, x in zip(pool.k, ks)),
-                         v=tuple(v.at[ids].set(x) for v, x in zip(pool.v, vs)))
+_gather_blocks = jax.jit(kvp.gather_blocks)          # pages and (quantized pools) scales
+_scatter_blocks = jax.jit(kvp.scatter_blocks, donate_argnums=(0,))
 
 
 class Runner:
@@ -115,21 +107,27 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, params: Any, *, num_blocks: int, block_size: int,
                  kv_dtype: Any, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_host_blocks: int = 0) -> None:
+                 max_model_len: int, num_host_blocks: int = 0, min_seq_bucket: int = 4,
+                 min_token_bucket: int = 16, fixed_shapes: bool = False) -> None:
+        """`fixed_shapes` (GPU): block tables always `max_model_len` wide and prefill/mixed
+        steps always `max_num_seqs` rows, so a whole run compiles a handful of programs; the
+        Pallas kernels loop over real lengths, so the padding costs them nothing."""
         self.cfg = cfg
         self.params = params
         self.block_size = block_size
         self.backend = backend
         self.kv_pool = kvp.init_pool(cfg, num_blocks, block_size, kv_dtype)
         max_blocks = math.ceil(max_model_len / block_size)
-        self.token_buckets = pow2_buckets(16, max(16, max_num_batched_tokens))
-        self.seq_buckets = pow2_buckets(4, max(4, max_num_seqs))
-        self.block_buckets = pow2_buckets(4, max(4, max_blocks))
+        self.token_buckets = pow2_buckets(min_token_bucket, max(min_token_bucket, max_num_batched_tokens))
+        self.seq_buckets = pow2_buckets(min_seq_bucket, max(min_seq_bucket, max_num_seqs))
+        self.block_buckets = [max_blocks] if fixed_shapes else pow2_buckets(4, max(4, max_blocks))
+        self.fixed_shapes = fixed_shapes
         self.row_buckets = pow2_buckets(4, max(4, max_num_seqs * 4))
         self.copy_buckets = pow2_buckets(4, max(4, num_blocks))
-        page = kvp.page_shape(cfg, num_host_blocks, block_size)
-        self.host_k = [np.zeros(page, np.dtype(kv_dtype)) for _ in range(cfg.num_layers)] if num_host_blocks else []
-        self.host_v = [np.zeros(page, np.dtype(kv_dtype)) for _ in range(cfg.num_layers)] if num_host_blocks else []
+        # Host swap pool: the device pool's layout (scales included) in numpy, num_host_blocks deep.
+        self.host_pool: kvp.KVPool | None = jax.tree.map(
+            lambda x: np.zeros((num_host_blocks,) + x.shape[1:], x.dtype),
+            self.kv_pool) if num_host_blocks else None
         self.compiled_keys: set[tuple] = set()
         self.num_compilations = 0
         self.compile_time_s = 0.0
@@ -150,71 +148,85 @@ class Runner:
         if not pairs:
             return
         dev, host = (np.asarray(x, np.int32) for x in zip(*pairs))
-        ks, vs = _gather_blocks(self.kv_pool, jnp.asarray(dev))
-        for layer in range(self.cfg.num_layers):
-            self.host_k[layer][host] = np.asarray(ks[layer])
-            self.host_v[layer][host] = np.asarray(vs[layer])
+        blocks = _gather_blocks(self.kv_pool, jnp.asarray(dev))
+        for h, d in zip(jax.tree.leaves(self.host_pool), jax.tree.leaves(blocks)):
+            h[host] = np.asarray(d)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host pool -> device blocks."""
         if not pairs:
             return
         host, dev = (np.asarray(x, np.int32) for x in zip(*pairs))
-        ks = tuple(jnp.asarray(h[host]) for h in self.host_k)
-        vs = tuple(jnp.asarray(h[host]) for h in self.host_v)
-        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev), ks, vs)
+        blocks = jax.tree.map(lambda h: jnp.asarray(h[host]), self.host_pool)
+        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev), blocks)
 
     # ---- the step -----------------------------------------------------------------------
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
         """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
         bs = self.block_size
-        q_lens = np.fromiter((len(it.token_ids) for it in items), np.int32, len(items))
-        decode_only = bool(len(items)) and bool(np.all(q_lens == 1))
-        num_seqs = pick_bucket(len(items), self.seq_buckets)
-        num_tokens = num_seqs if decode_only else pick_bucket(int(q_lens.sum()), self.token_buckets)
+        n = len(items)
+        q_lens = np.fromiter((len(it.token_ids) for it in items), np.int32, n)
+        decode_only = n > 0 and bool(np.all(q_lens == 1))
+        num_seqs = pick_bucket(n, self.seq_buckets)
+        if self.fixed_shapes and not decode_only:
+            num_seqs = self.seq_buckets[-1]
         width = pick_bucket(max(len(it.block_table) for it in items), self.block_buckets)
-        cu = np.zeros(num_seqs + 1, np.int32)
-        np.cumsum(q_lens, out=cu[1:len(items) + 1])
-        cu[len(items) + 1:] = cu[len(items)]
-        total = int(cu[len(items)])
-        tokens = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        slots = np.arange(num_tokens, dtype=np.int32) % bs   # padding -> the null block's slots
         tables = np.zeros((num_seqs, width), np.int32)
-        context = np.zeros(num_seqs, np.int32)
         for i, it in enumerate(items):
-            a, b = cu[i], cu[i + 1]
-            table = np.asarray(it.block_table, np.int32)
-            tables[i, :len(table)] = table
-            pos = np.arange(it.start, it.start + (b - a), dtype=np.int32)
-            tokens[a:b] = it.token_ids
-            positions[a:b] = pos
-            slots[a:b] = table[pos // bs] * bs + pos % bs
-            context[i] = it.start + (b - a)
+            tables[i, :len(it.block_table)] = it.block_table
+        starts = np.fromiter((it.start for it in items), np.int32, n)
+        cu = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1:n + 1])
+        cu[n + 1:] = cu[n]
+        context = np.zeros(num_seqs, np.int32)
+        context[:n] = starts + q_lens
+        if decode_only:   # the hot path: one token per sequence, no per-token Python
+            num_tokens = num_seqs
+            tokens = np.zeros(num_tokens, np.int32)
+            tokens[:n] = np.fromiter((it.token_ids[0] for it in items), np.int32, n)
+            positions = np.zeros(num_tokens, np.int32)
+            positions[:n] = starts
+            slots = np.arange(num_tokens, dtype=np.int32) % bs
+            slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
+        else:
+            num_tokens = pick_bucket(int(cu[n]), self.token_buckets)
+            tokens = np.zeros(num_tokens, np.int32)
+            positions = np.zeros(num_tokens, np.int32)
+            slots = np.arange(num_tokens, dtype=np.int32) % bs   # padding -> the null block's slots
+            rows = np.zeros(num_tokens, np.int32)
+            for i, it in enumerate(items):
+                a, b = cu[i], cu[i + 1]
+                tokens[a:b] = it.token_ids
+                positions[a:b] = np.arange(it.start, it.start + (b - a), dtype=np.int32)
+                rows[a:b] = i
+            real = slice(0, int(cu[n]))
+            pos = positions[real]
+            slots[real] = tables[rows[real], pos // bs] * bs + pos % bs
         logits_idx = np.maximum(cu[1:] - 1, 0).astype(np.int32)
-        del total
         return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
 
     def pack_sampling(self, rows: Sequence[SampleRow]) -> tuple[SamplingTensors, bool, int]:
         r = pick_bucket(max(1, len(rows)), self.row_buckets)
         n = len(rows)
+        cols = list(zip(*rows)) if rows else [()] * len(SampleRow._fields)
 
-        def col(name: str, dtype: Any, pad: Any) -> np.ndarray:
+        def col(index: int, dtype: Any, pad: Any) -> np.ndarray:
             out = np.full(r, pad, dtype)
-            out[:n] = [getattr(x, name) for x in rows]
+            out[:n] = cols[index]
             return out
 
-        banned = np.full((r, NUM_BANNED if any(x.banned for x in rows) else 0), -1, np.int32)
-        for i, x in enumerate(rows):
-            if x.banned:
-                ids = list(x.banned)[:NUM_BANNED]
+        any_banned = any(cols[7]) if n else False
+        banned = np.full((r, NUM_BANNED if any_banned else 0), -1, np.int32)
+        if any_banned:
+            for i, ids in enumerate(cols[7]):
+                ids = list(ids)[:NUM_BANNED]
                 banned[i, :len(ids)] = ids
-        st = SamplingTensors(col("item", np.int32, 0), col("temperature", np.float32, 0.0),
-                             col("top_k", np.int32, -1), col("top_p", np.float32, 1.0),
-                             col("min_p", np.float32, 0.0), col("seed", np.int32, 0),
-                             col("step", np.int32, 0), banned)
-        all_greedy = all(x.temperature == 0.0 for x in rows)
-        k = max((x.num_logprobs for x in rows), default=0)
+        temperature = col(1, np.float32, 0.0)
+        st = SamplingTensors(col(0, np.int32, 0), temperature, col(2, np.int32, -1),
+                             col(3, np.float32, 1.0), col(4, np.float32, 0.0), col(5, np.int32, 0),
+                             col(6, np.int32, 0), banned)
+        all_greedy = not bool(np.any(temperature[:n] > 0.0))
+        k = max(cols[8]) if n else 0
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
         return st, all_greedy, k
 

@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, default=500)
     parser.add_argument("--out", default=None, help="markdown file for the result")
     parser.add_argument("--platform", default="cpu",
-                        help="JAX platform the loader puts the weights on: cpu, or gpu")
+                        help="JAX_PLATFORMS for the loading process (cpu, cuda), or 'auto'")
     parser.add_argument("--_measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_write", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,7 +150,10 @@ def main() -> None:
         total = int(next(l for l in proc.stdout.splitlines() if l.startswith("TOTAL")).split()[1])
         write_s = time.perf_counter() - t0
         shards = sum(f.endswith(".safetensors") for f in os.listdir(tmp))
-        env["JAX_PLATFORMS"] = args.platform
+        if args.platform == "auto":
+            env.pop("JAX_PLATFORMS")
+        else:
+            env["JAX_PLATFORMS"] = args.platform
         proc = subprocess.run([sys.executable, me, "--_measure", tmp],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -58,8 +58,9 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     visible = k_pos[None, None, :] <= q_pos[:, :, None]               # [B, Tq, Tk]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    # Probabilities stay float32 (as in the paged reference attention), so the dense path is
+    # a faithful reference for bf16 too; v is upcast for the product.
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
     return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
