@@ -70,6 +70,123 @@ class KVUtilizationSettings:
     headline_block_size: int = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineGeometry:
+    """The engine every serving experiment builds: model, KV pool and batching limits.
+
+    The pool is given in token slots and keeps that capacity whatever the block size
+    (`pool_tokens // block_size` blocks plus the null block).
+    """
+
+    model: str = "tiny"                  # "tiny" (embedded, CPU) or "llama3-8b" (random bf16 weights)
+    dtype: str = "float32"
+    block_size: int = 16
+    pool_tokens: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 512
+    seed: int = 0
+
+
+# One geometry for the CPU settings and one for the GPU settings, shared by the serving
+# experiments so that their figures can be read together (and, on the GPU, so that programs
+# compiled by one experiment are found in the persistent compilation cache by the next).
+CPU_ENGINE = EngineGeometry()
+GPU_ENGINE = EngineGeometry(model="llama3-8b", dtype="bfloat16")
+TINY_ENGINE = EngineGeometry(pool_tokens=512, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputVsRateSettings:
+    """Normalized latency against Poisson request rate: continuous batching with paging
+    against the static request-level policy (paper Fig. 12)."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    trace: str = "alpaca"
+    max_prompt_len: int = 64             # the trace is clipped to fit max_model_len
+    max_output_len: int = 192
+    rates: tuple[float, ...] = (2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0)   # requests/s
+    window_s: float = 3.0                # arrivals span this long at every rate ...
+    min_requests: int = 8                # ... or long enough for this many requests
+    drain_s: float = 3.0                 # cut a run off this long after its last arrival
+    # Warm-up before timing: this many requests of the busiest trace, queued at once.
+    warmup_requests: int = 32
+    policies: tuple[str, ...] = ("continuous", "static")
+    # A rate is sustained while the mean normalized latency stays under this multiple of
+    # the continuous engine's latency at the lowest rate (its unloaded latency per token).
+    latency_threshold_factor: float = 3.0
+    seed: int = 0
+    time_budget_s: float | None = 600.0  # a safety net on a CPU; the gpu settings set their own
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizeSettings:
+    """Throughput and latency against block size at a fixed pool capacity (paper Fig. 18b)."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    # (trace, number of requests); all queued at once.
+    traces: tuple[tuple[str, int], ...] = (("sharegpt", 16), ("alpaca", 48))
+    max_prompt_len: int = 256
+    max_output_len: int = 256
+    # Run in this order (the rest is skipped once the time budget runs out).
+    block_sizes: tuple[int, ...] = (16, 256, 64, 8, 128, 32)
+    seed: int = 0
+    time_budget_s: float | None = 600.0  # a safety net on a CPU; the gpu settings set their own
+
+
+@dataclasses.dataclass(frozen=True)
+class SharingSettings:
+    """Memory saved by sharing KV blocks among parallel samples and beams (paper Fig. 15),
+    and the throughput it buys in a fixed pool."""
+
+    engine: EngineGeometry = dataclasses.replace(CPU_ENGINE, pool_tokens=512, max_model_len=256)
+    trace: str = "alpaca"
+    num_requests: int = 16
+    max_prompt_len: int = 64
+    max_output_len: int = 192
+    parallel_n: tuple[int, ...] = (2, 4, 6)
+    beam_widths: tuple[int, ...] = (2, 4, 6)
+    temperature: float = 0.8             # parallel samples: random sampling, per-sample seeds
+    seed: int = 0
+    time_budget_s: float | None = 600.0  # a safety net on a CPU; the gpu settings set their own
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionSettings:
+    """Recomputation against swapping across block sizes, in a pool small enough that
+    requests are preempted often (paper Fig. 19)."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    trace: str = "sharegpt"
+    num_requests: int = 16
+    max_prompt_len: int = 256
+    max_output_len: int = 256
+    block_sizes: tuple[int, ...] = (16, 256, 64, 8, 128, 32)
+    modes: tuple[str, ...] = ("recompute", "swap")
+    swap_space_gib: float = 1.0
+    seed: int = 0
+    time_budget_s: float | None = 600.0  # a safety net on a CPU; the gpu settings set their own
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOverheadSettings:
+    """Paged against contiguous decode attention (paper Fig. 18a: 20-26% kernel overhead)."""
+
+    # (batch, context) decode shapes; Llama-3-8B's attention: 32 query / 8 KV heads, d=128.
+    shapes: tuple[tuple[int, int], ...] = ((4, 256), (8, 512), (16, 256))
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "float32"
+    # "reference" (jnp gather through the block tables, any machine) or "pallas" (the GPU kernel).
+    backends: tuple[str, ...] = ("reference",)
+    reps: int = 20
+    # The kernel benchmark's results (scripts/bench_kernels.py), read when present.
+    kernels_json: str = "results/kernels.json"
+    seed: int = 0
+
+
 SETTINGS: dict[str, dict[str, object]] = {
     "capacity": {
         "cpu": CapacitySettings(),
@@ -80,6 +197,47 @@ SETTINGS: dict[str, dict[str, object]] = {
         # Tiny: a smoke test of the whole program in seconds.
         "tiny": KVUtilizationSettings(traces=(("sharegpt", 60), ("alpaca", 60)), block_sizes=(16, 256),
                                       pool_tokens=6144, max_num_seqs=16),
+    },
+    # Serving experiments: "cpu" runs the embedded tiny model on the CPU (minutes); "gpu"
+    # runs Llama-3-8B shapes with random bf16 weights on one NVIDIA H200 (about a minute
+    # or two each, compilation included; points are run in priority order and the rest
+    # skipped past the time budget); "tiny" is the smoke test of the program (seconds).
+    "throughput_vs_rate": {
+        "cpu": ThroughputVsRateSettings(),
+        "gpu": ThroughputVsRateSettings(engine=GPU_ENGINE, rates=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0),
+                                        window_s=2.0, min_requests=6, drain_s=2.0, time_budget_s=130.0),
+        "tiny": ThroughputVsRateSettings(engine=TINY_ENGINE, max_prompt_len=16, max_output_len=16,
+                                         rates=(8.0, 32.0), window_s=0.25, min_requests=4, drain_s=1.0,
+                                         warmup_requests=8, time_budget_s=None),
+    },
+    "block_size_ablation": {
+        "cpu": BlockSizeSettings(),
+        "gpu": BlockSizeSettings(engine=GPU_ENGINE, traces=(("sharegpt", 8), ("alpaca", 16)),
+                                 block_sizes=(16, 256, 64, 8, 128, 32), time_budget_s=110.0),
+        "tiny": BlockSizeSettings(engine=TINY_ENGINE, traces=(("sharegpt", 3), ("alpaca", 4)),
+                                  max_prompt_len=24, max_output_len=16, block_sizes=(16, 64)),
+    },
+    "sharing_savings": {
+        "cpu": SharingSettings(),
+        "gpu": SharingSettings(engine=dataclasses.replace(GPU_ENGINE, pool_tokens=512, max_model_len=256),
+                               num_requests=8, time_budget_s=100.0),
+        "tiny": SharingSettings(engine=TINY_ENGINE, num_requests=2, max_prompt_len=20, max_output_len=12,
+                                parallel_n=(2,), beam_widths=(2,)),
+    },
+    "preemption": {
+        "cpu": PreemptionSettings(),
+        "gpu": PreemptionSettings(engine=GPU_ENGINE, num_requests=8, block_sizes=(16, 256, 64, 8, 128, 32),
+                                  swap_space_gib=4.0, time_budget_s=90.0),
+        "tiny": PreemptionSettings(engine=dataclasses.replace(TINY_ENGINE, pool_tokens=128), num_requests=4,
+                                   max_prompt_len=24, max_output_len=40, block_sizes=(16,), swap_space_gib=0.01),
+    },
+    "kernel_overhead": {
+        "cpu": KernelOverheadSettings(),
+        "gpu": KernelOverheadSettings(shapes=((32, 1024), (64, 2048), (128, 2048), (16, 8192)),
+                                      dtype="bfloat16", backends=("pallas", "reference"), reps=30),
+        # Tiny: the Pallas kernel runs in interpret mode off a GPU (a check of that path, not a timing).
+        "tiny": KernelOverheadSettings(shapes=((2, 64),), q_heads=4, kv_heads=2, head_dim=32, reps=3,
+                                       backends=("reference", "pallas")),
     },
 }
 

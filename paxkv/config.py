@@ -230,3 +230,4 @@ class EngineConfig:
     attention_backend: str = "auto"  # "reference", "pallas", or "auto" (pallas on GPU)
     tensor_parallel_size: int = 1
     seed: int = 0
+    num_scheduler_steps: int = 1  # decode steps per host round trip (multi-step decoding)

@@ -91,6 +91,7 @@ class LLMEngine:
         self._aborted_outputs: list[RequestOutput] = []
         self._beam_results: dict[str, _Request] = {}
         self._step_index = 0
+        self.num_scheduler_steps = max(1, int(getattr(config, "num_scheduler_steps", 1)))
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -224,7 +225,10 @@ class LLMEngine:
         self.runner.swap_out(out.blocks_to_swap_out)
         self.runner.swap_in(out.blocks_to_swap_in)
         self.runner.copy_blocks(out.blocks_to_copy)
-        if out.chunks:
+        k = self._multi_step_count(out)
+        if k > 1:
+            host_s, device_s, compile_s = self._multi_decode(out, k, changed, only_finished)
+        elif out.chunks:
             items, rows, row_owner = [], [], []
             for i, c in enumerate(out.chunks):
                 seq = c.seq
@@ -244,7 +248,7 @@ class LLMEngine:
             step=self._step_index, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting, num_swapped=self.scheduler.num_swapped,
             num_seqs_scheduled=len(out.chunks), num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens, num_preemptions=len(out.preempted),
+            num_decode_tokens=out.num_decode_tokens * max(1, k), num_preemptions=len(out.preempted),
             blocks_used=bm.num_used_blocks, blocks_free=bm.num_available_blocks,
             blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
             device_s=device_s, compile_s=compile_s, wall_s=wall))
@@ -252,6 +256,67 @@ class LLMEngine:
         self.metrics.prefix_cache_hits = bm.prefix_cache_hits
         self._step_index += 1
         return list(changed.values())
+
+    def _multi_step_count(self, out: Any) -> int:
+        """How many decode steps to run in one device call (1 = an ordinary step).
+
+        Several steps per host round trip only when the batch is plain decoding: no block
+        movement, no pending fork (n > 1 before its first token), no beams, no logprobs or
+        min_tokens bans, and room in the pool for every sequence's next k tokens.
+        """
+        k = self.num_scheduler_steps
+        if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
+            return 1
+        if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
+            return 1
+        longest = 0
+        for c in out.chunks:
+            req, _ = self._owner[c.seq.seq_id]
+            p = req.params
+            if (c.num_tokens != 1 or not c.needs_sample or req.beam is not None
+                    or not req.forked_or_single or p.logprobs is not None
+                    or c.seq.num_output_tokens < p.min_tokens):
+                return 1
+            longest = max(longest, c.seq.num_tokens)
+        k = min(k, self.max_model_len - longest + 1)
+        if k <= 1:
+            return 1
+        bm = self.block_manager
+        if bm.blocks_needed(tuple((c.seq, k) for c in out.chunks)) > bm.num_available_blocks:
+            return 1
+        return k
+
+    def _multi_decode(self, out: Any, k: int, changed: dict[str, RequestOutput],
+                      only_finished: bool) -> tuple[float, float, float]:
+        """Run k decode steps in one device call, then replay them on the host in order."""
+        from paxkv.runner import WorkItem
+        copies = []
+        for c in out.chunks:   # reserve slots for all k tokens (copy-on-write if shared)
+            copies += self.block_manager.append_slots(c.seq, k)
+        self.runner.copy_blocks(copies)
+        items, rows, seqs = [], [], []
+        for i, c in enumerate(out.chunks):
+            seq = c.seq
+            items.append(WorkItem(seq.token_ids[c.start:c.start + 1], c.start, seq.block_table))
+            rows.extend(self._rows_for(i, seq))
+            seqs.append(seq)
+        sample, timing = self.runner.execute_multi_decode(items, rows, k)
+        tokens = sample.tokens.tolist()
+        logprobs = sample.logprobs.tolist()
+        touched: dict[str, _Request] = {}
+        for j in range(k):
+            if j == 0:
+                self.scheduler.on_step_done(out)
+            else:
+                self.scheduler.on_extra_decode_step(seqs)
+            for i, seq in enumerate(seqs):
+                if seq.status.is_finished():
+                    continue   # stopped at an earlier step: its later tokens are discarded
+                req, _ = self._owner[seq.seq_id]
+                self._append(req, seq, tokens[j][i], logprobs[j][i], (), ())
+                touched[req.request_id] = req
+        self._finish_touched(touched, changed, only_finished)
+        return timing.host_s, timing.device_s, timing.compile_s
 
     def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
                        changed: dict[str, RequestOutput], only_finished: bool = False) -> None:
@@ -288,6 +353,10 @@ class LLMEngine:
                 if req.beam.done:
                     self._beam_results[rid] = req
                     self._retire(req)
+        self._finish_touched(touched, changed, only_finished)
+
+    def _finish_touched(self, touched: dict[str, _Request], changed: dict[str, RequestOutput],
+                        only_finished: bool) -> None:
         now = time.monotonic()
         for rid, req in touched.items():
             if req.timing is not None and req.timing.first_token_time is None:
@@ -406,7 +475,7 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
                  scheduler: str = "continuous", attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
-                 tokenizer: Any = "auto") -> None:
+                 tokenizer: Any = "auto", num_scheduler_steps: int = 1) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -452,8 +521,11 @@ class LLM:
                                 preemption_mode=preemption_mode,
                                 enable_chunked_prefill=enable_chunked_prefill)
         backend = resolve_backend(attention_backend)
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
         self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
-                                   tensor_parallel_size=tensor_parallel_size, seed=seed)
+                                   tensor_parallel_size=tensor_parallel_size, seed=seed,
+                                   num_scheduler_steps=num_scheduler_steps)
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes

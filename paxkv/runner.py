@@ -93,6 +93,43 @@ _jit_step = jax.jit(_step_fn, static_argnames=("cfg", "backend", "decode_only", 
                                                "num_logprobs"), donate_argnums=(1,))
 
 
+def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, batch: StepBatch, st: SamplingTensors, *,
+                     cfg: ModelConfig, backend: str, all_greedy: bool,
+                     num_steps: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+    """`num_steps` decode steps in one device call, each sampled token fed to the next step.
+
+    Row i of the batch is sequence i (one token each) and sampling row i samples it. Padding
+    rows (context 0) stay padding: they write to the null block and read nothing.
+    """
+    from paxkv.model.llama import forward
+    num_seqs = batch.context_lens.shape[0]
+    block_size = kv_pool.block_size
+    valid = batch.context_lens > 0
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+
+    def body(j, carry):
+        pool, tokens, positions, context, out_tok, out_lp = carry
+        slots = batch.block_tables[rows, positions // block_size] * block_size + positions % block_size
+        slots = jnp.where(valid, slots, rows % block_size)
+        step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
+                              context_lens=context)
+        logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True)
+        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0)
+        out_tok = out_tok.at[j].set(res.tokens)
+        out_lp = out_lp.at[j].set(res.logprobs)
+        inc = valid.astype(jnp.int32)
+        return pool, jnp.where(valid, res.tokens, 0), positions + inc, context + inc, out_tok, out_lp
+
+    init = (kv_pool, batch.token_ids, batch.positions, batch.context_lens,
+            jnp.zeros((num_steps, num_seqs), jnp.int32), jnp.zeros((num_steps, num_seqs), jnp.float32))
+    kv_pool, _, _, _, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
+    return out_tok, out_lp, kv_pool
+
+
+_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("cfg", "backend", "all_greedy",
+                                                               "num_steps"), donate_argnums=(1,))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_blocks(pool: kvp.KVPool, src: jax.Array, dst: jax.Array) -> kvp.KVPool:
     return kvp.copy_blocks(pool, src, dst)
@@ -229,6 +266,43 @@ class Runner:
         k = max(cols[8]) if n else 0
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
         return st, all_greedy, k
+
+    def execute_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                             num_steps: int) -> tuple[HostSample, StepTiming]:
+        """`num_steps` decode steps over `items` (one token each, row i samples item i).
+
+        Blocks for all the steps' tokens must already be reserved. Returns tokens and logprobs
+        of shape `[num_steps, len(items)]`.
+        """
+        timing = StepTiming()
+        t0 = time.perf_counter()
+        batch, decode_only = self.pack(items)
+        if not decode_only:
+            raise ValueError("execute_multi_decode needs one new token per sequence")
+        num_seqs = batch.context_lens.shape[0]
+        n = len(items)
+        padded = list(rows) + [SampleRow(i) for i in range(n, num_seqs)]
+        st, all_greedy, _ = self.pack_sampling(padded)
+        st = jax.tree.map(lambda x: x[:num_seqs], st)
+        key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
+        new = key not in self.compiled_keys
+        out_tok, out_lp, self.kv_pool = _jit_multi_decode(
+            self.params, self.kv_pool, jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, st),
+            cfg=self.cfg, backend=self.backend, all_greedy=all_greedy, num_steps=num_steps)
+        t1 = time.perf_counter()
+        host = HostSample(np.asarray(out_tok)[:, :n], np.asarray(out_lp)[:, :n],
+                          np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
+        t2 = time.perf_counter()
+        if new:
+            self.compiled_keys.add(key)
+            self.num_compilations += 1
+            timing.compiled = True
+            timing.compile_s = t2 - t0
+            self.compile_time_s += t2 - t0
+        else:
+            timing.host_s = t1 - t0
+            timing.device_s = t2 - t1
+        return host, timing
 
     def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
         """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""

@@ -41,6 +41,10 @@ flags.DEFINE_string("attention_backend", "auto", "reference | pallas | auto")
 flags.DEFINE_bool("compare", False, "also run the static policy and transformers")
 flags.DEFINE_integer("static_num_prompts", 400, "requests for the static-policy comparison")
 flags.DEFINE_integer("hf_num_prompts", 16, "requests for transformers (one batch)")
+flags.DEFINE_integer("num_scheduler_steps", 1, "decode steps per host round trip")
+flags.DEFINE_bool("full_compare_workloads", True, "with --compare, also run non-fixed workloads at "
+                  "full size (else only the comparison subsets)")
+flags.DEFINE_bool("run_transformers", True, "with --compare on a GPU, time transformers too")
 flags.DEFINE_bool("latency", False, "one stream, 128 in / 512 out, against the roofline")
 flags.DEFINE_float("mem_fraction", None, "XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.55 with "
                    "--compare, leaving PyTorch room; else 0.92)")
@@ -264,8 +268,7 @@ def latency_run(llm, cfg, bw: dict) -> dict:
     engine = llm.llm_engine
     rng_prompt = list(range(100, 228))
     sp = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True, detokenize=False)
-    llm.generate([rng_prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # compile the single-stream buckets
+    llm.generate([rng_prompt], sp, use_tqdm=False)  # compile every single-stream bucket
     engine.metrics.reset()
     t = time.perf_counter()
     out = llm.generate([rng_prompt], sp, use_tqdm=False)[0]
@@ -296,7 +299,7 @@ def main(argv):
                         k: FLAGS[k].value for k in ("model", "workloads", "num_prompts", "max_num_seqs",
                                                      "max_num_batched_tokens", "max_model_len",
                                                      "block_size", "static_num_prompts",
-                                                     "hf_num_prompts")}}
+                                                     "hf_num_prompts", "num_scheduler_steps")}}
     out_path = os.path.join(FLAGS.out_dir, "throughput.json")
 
     def save():
@@ -321,7 +324,7 @@ def main(argv):
               num_gpu_blocks_override=FLAGS.num_gpu_blocks_override,
               max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
               max_model_len=FLAGS.max_model_len, attention_backend=FLAGS.attention_backend,
-              seed=FLAGS.seed, tokenizer=None)
+              seed=FLAGS.seed, tokenizer=None, num_scheduler_steps=FLAGS.num_scheduler_steps)
     jax.block_until_ready(llm.llm_engine.runner.params)
     result["setup_s"] = time.perf_counter() - t
     engine = llm.llm_engine
@@ -339,40 +342,46 @@ def main(argv):
                         "compile_s": engine.runner.compile_time_s}
     print("warmup", result["warmup"], flush=True)
 
+    if FLAGS.latency and time_left():
+        bw = result.get("bandwidth", {"ceiling_TBps": float("nan")})
+        result["latency"] = latency_run(llm, cfg, bw)
+        print("latency", result["latency"], flush=True)
+        save()
+
     for name in FLAGS.workloads:
         if not time_left():
             break
         reqs = make_requests(name, cfg.vocab_size, FLAGS.num_prompts, FLAGS.seed)
-        r = run_engine(engine, reqs, f"paxkv-{name}")
-        if name == FLAGS.workloads[0]:
-            result["host_at_full_batch"] = host_share_at_full_batch(engine)
-            print("host at full batch", result["host_at_full_batch"], flush=True)
-        result[f"paxkv_{name}"] = r
-        print(json.dumps(r), flush=True)
-        save()
+        if name == "fixed" or FLAGS.full_compare_workloads or not FLAGS.compare:
+            r = run_engine(engine, reqs, f"paxkv-{name}")
+            if name == FLAGS.workloads[0]:
+                result["host_at_full_batch"] = host_share_at_full_batch(engine)
+                print("host at full batch", result["host_at_full_batch"], flush=True)
+            result[f"paxkv_{name}"] = r
+            print(json.dumps(r), flush=True)
+            save()
         if FLAGS.compare and name != "fixed" and time_left():
             sub = reqs[:FLAGS.static_num_prompts]
             result[f"paxkv_{name}_subset"] = run_engine(engine, sub, f"paxkv-{name}-subset")
+            print(json.dumps(result[f"paxkv_{name}_subset"]), flush=True)
             static_cfg = dataclasses.replace(
                 engine.config, scheduler=dataclasses.replace(engine.config.scheduler, policy="static"))
             static = LLMEngine(static_cfg, engine.runner, None, engine.metrics.num_blocks, 0)
+            static.num_scheduler_steps = engine.num_scheduler_steps
             result[f"static_{name}_subset"] = run_engine(static, sub, f"static-{name}")
             print(json.dumps(result[f"static_{name}_subset"]), flush=True)
             save()
             if on_gpu and FLAGS.hf_num_prompts and time_left():
                 hf_sub = reqs[:FLAGS.hf_num_prompts]
                 result[f"paxkv_{name}_hf_subset"] = run_engine(engine, hf_sub, f"paxkv-{name}-hf")
-                try:
-                    result[f"transformers_{name}_subset"] = run_transformers(
-                        engine.runner.params, cfg, hf_sub)
-                except Exception as e:  # noqa: BLE001 - report, keep the rest of the run
-                    result[f"transformers_{name}_subset"] = {"error": repr(e)[:500]}
-                print(json.dumps(result[f"transformers_{name}_subset"]), flush=True)
+                if FLAGS.run_transformers:
+                    try:
+                        result[f"transformers_{name}_subset"] = run_transformers(
+                            engine.runner.params, cfg, hf_sub)
+                    except Exception as e:  # noqa: BLE001 - report, keep the rest of the run
+                        result[f"transformers_{name}_subset"] = {"error": repr(e)[:500]}
+                    print(json.dumps(result[f"transformers_{name}_subset"]), flush=True)
                 save()
-    if FLAGS.latency and time_left():
-        bw = result.get("bandwidth", {"ceiling_TBps": float("nan")})
-        result["latency"] = latency_run(llm, cfg, bw)
-        print("latency", result["latency"], flush=True)
     result["compilations_total"] = engine.runner.num_compilations
     result["compile_s_total"] = engine.runner.compile_time_s
     save()

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,3 +51,93 @@ def test_capacity_cpu(tmp_path):
     h200 = [p for p in plans if p["gpu"].startswith("H200") and p["model"] == "llama3-8b"]
     assert h200 and all(p["tokens"] > 800_000 for p in h200)
     assert payload["results"]["device_check"] is None
+
+
+# ---- serving experiments: the real engine on the embedded tiny model, tiny settings ----------
+
+def _trace_outputs(name: str, num: int, seed: int, max_prompt: int, max_output: int, rate: float = float("inf")):
+    from experiments.serving import clip_trace
+    from paxkv import workloads
+    return clip_trace(workloads.make_trace(name, num, seed, rate=rate), max_prompt, max_output)
+
+
+def test_throughput_vs_rate_tiny(tmp_path):
+    from configs import experiments as configs
+    s = configs.get("throughput_vs_rate", "tiny")
+    payload = _run("experiments/throughput_vs_rate.py", str(tmp_path), "--setting=tiny")
+    runs = payload["results"]["runs"]
+    assert {(r["policy"], r["rate"]) for r in runs} == {(p, r) for p in s.policies for r in s.rates}
+    low = min(s.rates)
+    n = max(s.min_requests, int(round(low * s.window_s)))
+    want_tokens = sum(r.output_len for r in _trace_outputs(s.trace, n, s.seed, s.max_prompt_len,
+                                                            s.max_output_len, rate=low))
+    for r in runs:
+        assert r["mean_normalized_latency_s"] > 0
+        if r["rate"] == low:   # an unloaded server finishes everything, every token generated
+            assert r["num_finished"] == r["num_requests"] == n and not r["cut_off"]
+            assert r["output_tokens"] == want_tokens
+    static_cap = min(s.engine.max_num_seqs, s.engine.pool_tokens // s.engine.max_model_len)
+    assert all(r["mean_batch"] <= static_cap for r in runs if r["policy"] == "static")
+    an = payload["results"]["analysis"]
+    assert an["threshold_s"] == pytest.approx(s.latency_threshold_factor * an["unloaded_normalized_latency_s"])
+    assert "2-4x" in (tmp_path / "throughput_vs_rate.md").read_text()
+
+
+def test_block_size_ablation_tiny(tmp_path):
+    from configs import experiments as configs
+    s = configs.get("block_size_ablation", "tiny")
+    payload = _run("experiments/block_size_ablation.py", str(tmp_path), "--setting=tiny")
+    runs = payload["results"]["runs"]
+    assert {(r["trace"], r["block_size"]) for r in runs} == {(t, b) for t, _ in s.traces for b in s.block_sizes}
+    for r in runs:
+        n = dict(s.traces)[r["trace"]]
+        want = sum(q.output_len for q in _trace_outputs(r["trace"], n, s.seed, s.max_prompt_len, s.max_output_len))
+        assert r["num_finished"] == n and r["output_tokens"] == want
+        # The warm-up pass compiled every shape: the timed pass compiles nothing.
+        assert r["compiles_during_run"] == 0
+        assert r["num_blocks"] == s.engine.pool_tokens // r["block_size"]
+    assert "16-32" in (tmp_path / "block_size_ablation.md").read_text()
+
+
+def test_sharing_savings_tiny(tmp_path):
+    payload = _run("experiments/sharing_savings.py", str(tmp_path), "--setting=tiny")
+    runs = {(r["kind"], r["width"]): r for r in payload["results"]["runs"]}
+    par, beam = runs[("parallel", 2)], runs[("beam", 2)]
+    for r in (par, beam):
+        assert r["shared"]["num_finished"] == r["num_requests"]
+        assert r["shared"]["output_tokens"] == r["unshared"]["output_tokens"] > 0
+        assert r["saving"] > 0.05
+        assert r["unshared"]["sharing_saving"] == 0.0   # nothing shared: the measure reads zero
+    # Beams share their whole common prefix, samples only the prompt.
+    assert beam["saving"] > par["saving"]
+    assert "37.6%-55.2%" in (tmp_path / "sharing_savings.md").read_text()
+
+
+def test_preemption_tiny(tmp_path):
+    payload = _run("experiments/preemption.py", str(tmp_path), "--setting=tiny")
+    rows = {r["mode"]: r for r in payload["results"]["runs"]}
+    rc, sw = rows["recompute"], rows["swap"]
+    assert rc["output_tokens"] == sw["output_tokens"] > 0
+    assert rc["num_finished"] == rc["num_requests"] and sw["num_finished"] == sw["num_requests"]
+    assert rc["preemptions"] > 0 and sw["preemptions"] > 0
+    assert rc["recomputed_tokens"] > 0 and rc["blocks_swapped_out"] == 0
+    assert sw["swap_preemptions"] > 0 and sw["blocks_swapped_out"] == sw["blocks_swapped_in"] > 0
+    assert sw["swap_s"] > 0
+    ratio = payload["results"]["recompute_over_swap"]
+    assert ratio[str(rc["block_size"])] == pytest.approx(rc["wall_s"] / sw["wall_s"])
+
+
+def test_kernel_overhead_tiny(tmp_path):
+    bench = {"device": "Some GPU", "jax": "0.0", "decode": [
+        {"batch": 8, "context": 512, "best": {"us": 110.0}, "contiguous_us": 100.0, "bundled_best_us": 200.0},
+        {"batch": 4, "context": 256, "paxkv": []}]}          # a row without timings is skipped
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(bench))
+    payload = _run("experiments/kernel_overhead.py", str(tmp_path), "--setting=tiny", f"--kernels_json={path}")
+    got = payload["results"]["kernel_benchmark"]["decode"]
+    assert len(got) == 1 and got[0]["overhead"] == pytest.approx(0.10)
+    (row,) = payload["results"]["this_run"]
+    assert row["reference_err"] < 1e-4 and row["reference_paged_us"] > 0 and row["contiguous_xla_us"] > 0
+    assert row["pallas_err"] < 1e-4      # the GPU kernel's path, in interpret mode here
+    md = (tmp_path / "kernel_overhead.md").read_text()
+    assert "+10.0%" in md and "+20% to +26%" in md and "stand-in" in md

@@ -611,6 +611,23 @@ class Scheduler:
             if caching and computed // bs > s.num_registered_blocks:  # a block just filled
                 bm.mark_computed(s)
 
+    def on_extra_decode_step(self, seqs: list[Sequence]) -> None:
+        """Multi-step decoding: one more decode token was computed for each running seq.
+
+        The engine ran several decode steps in one device call after one `schedule()`; the
+        first is accounted by `on_step_done`, each further one by this (blocks were reserved
+        with `BlockManager.append_slots(seq, k)` before the call).
+        """
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        bs = self.block_size
+        for s in seqs:
+            if s.status is not _RUNNING:
+                continue
+            s.num_computed_tokens += 1
+            if caching and s.num_computed_tokens // bs > s.num_registered_blocks:
+                bm.mark_computed(s)
+
     def check_no_leaks(self) -> None:
         """With nothing unfinished, every block is free or evictable (used by tests)."""
         bm = self.block_manager

@@ -113,8 +113,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> P
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _ones(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    return jax.jit(lambda: jnp.ones(shape, dtype))()
+    return jnp.ones(shape, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

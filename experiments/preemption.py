@@ -1,0 +1,177 @@
+"""Preemption by recomputation against preemption by swapping, across block sizes (the
+paper's Fig. 19: recomputation never costs more than 20% over swapping, and the two are
+comparable at block sizes 16-64; swapping suffers at small blocks, many small transfers).
+
+A ShareGPT-like trace is queued at once into a KV pool far too small for its requests, so
+the scheduler keeps preempting the newest running request when the pool runs dry. With
+"recompute" the victim's blocks are freed and its prompt and outputs so far are prefilled
+again when it is readmitted; with "swap" its blocks are copied to a host pool and back. The
+same trace runs under both at every block size (same pool capacity in tokens).
+
+    PYTHONPATH=. python3 experiments/preemption.py                 # tiny model, CPU
+    PYTHONPATH=. python3 experiments/preemption.py --setting=gpu   # Llama-3-8B shapes
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+from absl import app, flags
+from tqdm import tqdm
+
+from configs import experiments as configs
+from experiments import common, serving
+from paxkv import workloads
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"], "Which settings of configs/experiments.py to use.")
+flags.DEFINE_string("out_dir", "results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
+flags.DEFINE_float("time_budget_s", None, "Override the settings' time budget (seconds; <= 0: none).")
+flags.DEFINE_list("block_sizes", None, "Override the block sizes (run in the given order).")
+
+NAME = "preemption"
+
+
+def run_mode(s: configs.PreemptionSettings, bs: int, mode: str, trace: list[workloads.Request]) -> dict[str, Any]:
+    """Warm-up pass, then the timed pass, of the trace under one preemption mode."""
+    llm = serving.make_llm(s.engine, block_size=bs, preemption_mode=mode, swap_space=s.swap_space_gib)
+    vocab = llm.config.model.vocab_size
+    timer = serving.SwapTimer(llm)
+    sched = llm.llm_engine.scheduler
+    serving.run(llm, serving.trace_work(trace, vocab, s.seed + 7919))
+    timer.reset()
+    rec0, swp0 = sched.num_recompute_preemptions, sched.num_swap_preemptions
+    st = serving.run(llm, serving.trace_work(trace, vocab, s.seed))
+    prompt_tokens = sum(r.prompt_len for r in trace)
+    row = {"block_size": bs, "mode": mode, "num_blocks": s.engine.pool_tokens // bs, **st.summary(),
+           **timer.summary(),
+           "recompute_preemptions": sched.num_recompute_preemptions - rec0,
+           "swap_preemptions": sched.num_swap_preemptions - swp0,
+           "recomputed_tokens": st.prefill_tokens - prompt_tokens}
+    del llm, timer
+    gc.collect()
+    return row
+
+
+def sweep(s: configs.PreemptionSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    budget = serving.Budget(s.time_budget_s)
+    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
+                               s.max_output_len)
+    rows: list[dict[str, Any]] = []
+    last_cost = 0.0
+    for bs in tqdm(s.block_sizes, desc=NAME, disable=not progress):
+        if not budget.allows(last_cost, f"block {bs}"):
+            continue
+        t0 = budget.elapsed()
+        for mode in s.modes:
+            rows.append(run_mode(s, bs, mode, trace))
+        last_cost = budget.elapsed() - t0
+    return rows, budget.skipped
+
+
+def pairs(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """(block size, recompute row, swap row) for every block size that ran both."""
+    by = {(r["block_size"], r["mode"]): r for r in rows}
+    return [(bs, by[(bs, "recompute")], by[(bs, "swap")]) for bs in sorted({r["block_size"] for r in rows})
+            if (bs, "recompute") in by and (bs, "swap") in by]
+
+
+def _fig(rows: list[dict[str, Any]], s: configs.PreemptionSettings):
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    for mode, color in (("recompute", "#1f77b4"), ("swap", "#ff7f0e")):
+        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["block_size"])
+        if not rs:
+            continue
+        x = [r["block_size"] for r in rs]
+        axes[0].plot(x, [r["wall_s"] for r in rs], "o-", color=color, label=mode)
+        axes[1].plot(x, [r["mean_normalized_latency_s"] * 1e3 for r in rs], "o-", color=color, label=mode)
+        if mode == "swap":
+            axes[2].plot(x, [r["swap_s"] for r in rs], "o-", color=color, label="swap: time copying blocks (s)")
+        else:
+            axes[2].plot(x, [r["recomputed_tokens"] / 1000 for r in rs], "o-", color=color,
+                         label="recompute: tokens prefilled again (thousands)")
+    p = pairs(rows)
+    if p:
+        ax = axes[0].twinx()
+        ax.plot([bs for bs, _, _ in p], [rc["wall_s"] / sw["wall_s"] for _, rc, sw in p], "k:", lw=1)
+        ax.axhline(1 + common.PAPER["recompute_max_overhead_vs_swap"], color="grey", ls="--", lw=1)
+        ax.set_ylabel("recompute / swap (dotted); paper's bound 1.2 (dashed)", fontsize=7)
+    for ax, title in zip(axes, ("Time to drain the trace (s)", "Normalized latency (ms/token)",
+                                "Where the preemption cost goes")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: list[str]) -> tuple[str, str]:
+    bound = common.PAPER["recompute_max_overhead_vs_swap"]
+    p = pairs(rows)
+    ratios = [rc["wall_s"] / sw["wall_s"] for _, rc, sw in p]
+    head = []
+    if p:
+        worst = max(ratios)
+        near = [bs for (bs, _, _), r in zip(p, ratios) if abs(r - 1) <= 0.1]
+        head = [["recompute's time over swap's, worst block size", f"at most {1 + bound:.2f}x",
+                 f"{worst:.2f}x (block {p[ratios.index(worst)][0]})"],
+                ["recompute / swap at every block size", "-",
+                 ", ".join(f"{bs}: {r:.2f}x" for (bs, _, _), r in zip(p, ratios))],
+                ["block sizes where the two are within 10%", "16-64 comparable",
+                 ", ".join(map(str, near)) or "none"]]
+    table = "## Against the paper (Fig. 19)\n\n" + common.markdown_table(["what", "paper", "paxkv"], head)
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["block_size"], r["mode"])):
+        per = r["wall_s"] / r["preemptions"] if r["preemptions"] else float("nan")
+        lines.append([r["block_size"], r["mode"], f"{r['wall_s']:.2f}", serving.fmt_s(r["mean_normalized_latency_s"]),
+                      r["preemptions"], f"{r['swap_preemptions']} / {r['recompute_preemptions']}",
+                      r["recomputed_tokens"], f"{r['blocks_swapped_out']} / {r['blocks_swapped_in']}",
+                      serving.fmt_s(r["swap_s"]), f"{r['mean_batch']:.1f}", f"{r['requests_per_s']:.2f}"])
+    table += "\n\n## Every run\n\n" + common.markdown_table(
+        ["block size", "mode", "time to drain (s)", "normalized latency", "preemptions",
+         "by swap / by recompute", "tokens recomputed", "blocks out / in", "time copying blocks", "mean batch",
+         "requests/s"], lines)
+    g = s.engine
+    notes = (
+        f"Requests: {s.num_requests} {s.trace}-like (`paxkv/workloads.py`, seed {s.seed}), clipped to "
+        f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, greedy with EOS ignored, all queued at "
+        f"once. Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots at every block size, at most "
+        f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len {g.max_model_len}, "
+        f"host swap space {s.swap_space_gib:g} GiB (a swap falls back to recompute when it is full: the \"by swap / "
+        "by recompute\" column), prefix caching off. \"tokens recomputed\" = prefill tokens beyond the prompts; "
+        "\"time copying blocks\" = time in the runner's swap-out and swap-in copies (timed until each has landed). "
+        "Each point is the second of two identical runs (the first compiles every shape, the swap copies' too)."
+        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+    return table, notes
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = configs.get(NAME, FLAGS.setting)
+    if FLAGS.time_budget_s is not None:
+        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    if FLAGS.block_sizes:
+        s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
+    rows, skipped = sweep(s)
+    table, notes = _tables(rows, s, skipped)
+    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
+                               s.max_output_len)
+    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
+    paths = common.write_results(
+        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+        title="Preemption: recomputation against swapping (paper Fig. 19)",
+        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
+        settings=dataclasses.asdict(s),
+        results={"runs": rows, "skipped": skipped, "trace": workloads.summarize(trace),
+                 "recompute_over_swap": {bs: rc["wall_s"] / sw["wall_s"] for bs, rc, sw in pairs(rows)},
+                 "paper": {"recompute_max_overhead_vs_swap": common.PAPER["recompute_max_overhead_vs_swap"]}},
+        table=table, notes=notes, figure=_fig(rows, s))
+    print(table)
+    print("wrote", ", ".join(paths.values()))
+
+
+if __name__ == "__main__":
+    app.run(main)

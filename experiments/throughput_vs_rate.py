@@ -1,0 +1,245 @@
+"""Normalized latency against request rate: continuous batching with paging against static
+batching (the paper's Fig. 12: vLLM sustains 2-4x the request rate of Orca / FasterTransformer).
+
+Requests of an Alpaca-like trace arrive as a Poisson process. The engine is driven in real
+time: a request is submitted once the clock passes its arrival, the engine steps while it
+has work and sleeps otherwise. The figure of merit is the paper's normalized latency: the
+mean over requests of (finish - arrival) / output tokens, in seconds per token. Two engines
+with the same weights and the same KV pool: paged continuous batching (the engine's default)
+and the static policy (a batch is admitted together, each request reserving `max_model_len`
+slots, and nothing joins until the whole batch is done). The sustained rate of a policy is
+where its normalized latency crosses a threshold (a multiple of the unloaded latency).
+
+    PYTHONPATH=. python3 experiments/throughput_vs_rate.py                 # tiny model, CPU
+    PYTHONPATH=. python3 experiments/throughput_vs_rate.py --setting=gpu   # Llama-3-8B shapes
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from absl import app, flags
+from tqdm import tqdm
+
+from configs import experiments as configs
+from experiments import common, serving
+from paxkv import workloads
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"], "Which settings of configs/experiments.py to use.")
+flags.DEFINE_string("out_dir", "results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
+flags.DEFINE_float("time_budget_s", None, "Override the settings' time budget (seconds; <= 0: none).")
+flags.DEFINE_list("rates", None, "Override the request rates (requests/s).")
+
+NAME = "throughput_vs_rate"
+LABELS = {"continuous": "paged, continuous batching (vLLM)",
+          "static": "static batching, reserve max_model_len (FasterTransformer-like)"}
+
+
+def rate_trace(s: configs.ThroughputVsRateSettings, rate: float) -> list[workloads.Request]:
+    n = max(s.min_requests, int(round(rate * s.window_s)))
+    trace = workloads.make_trace(s.trace, n, s.seed, rate=rate)
+    return serving.clip_trace(trace, s.max_prompt_len, s.max_output_len)
+
+
+def static_capacity(g: configs.EngineGeometry) -> int:
+    """Requests the static policy runs at once: each reserves max_model_len slots."""
+    return min(g.max_num_seqs, g.pool_tokens // g.max_model_len)
+
+
+def sustained_rate(rates: list[float], latency: list[float], threshold: float) -> tuple[float, str]:
+    """The rate where latency first crosses `threshold` (linear between measured rates).
+
+    Returns (rate, how): how is "crossing", ">=" (never crossed: at least the highest rate)
+    or "<" (crossed already at the lowest rate: below it).
+    """
+    for i, (r, y) in enumerate(zip(rates, latency)):
+        if y > threshold:
+            if i == 0:
+                return r, "<"
+            r0, y0 = rates[i - 1], latency[i - 1]
+            return r0 + (threshold - y0) * (r - r0) / (y - y0), "crossing"
+    return (rates[-1] if rates else math.nan), ">="
+
+
+def sweep(s: configs.ThroughputVsRateSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str], dict]:
+    budget = serving.Budget(s.time_budget_s)
+    if not budget.allows(0.0, "everything (no time left)"):
+        return [], budget.skipped, {}
+    llms = {p: serving.make_llm(s.engine, scheduler=p) for p in s.policies}
+    vocab = llms[s.policies[0]].config.model.vocab_size
+    traces = {r: rate_trace(s, r) for r in s.rates}
+    # Warm-up: the busiest trace, queued at once, compiles the shapes the sweep will see
+    # (any shape first seen later is compiled with the clock paused).
+    warm = {}
+    busiest = traces[max(s.rates)]
+    g = s.engine
+    for p, llm in llms.items():
+        # A static batch lasts as long as its longest request: warm it up on two batches only.
+        n = s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * static_capacity(g))
+        st = serving.run(llm, serving.trace_work(busiest[:n], vocab, s.seed + 1))
+        warm[p] = {"compile_s": st.compile_s, "compiles": st.num_compiles}
+    rows = []
+    last_cost = 0.0
+    bar = tqdm(total=len(s.rates) * len(s.policies), desc=NAME, disable=not progress)
+    for rate in sorted(s.rates):
+        trace = traces[rate]
+        last_arrival = max(r.arrival_time for r in trace)
+        cutoff = last_arrival + s.drain_s
+        for p in s.policies:
+            label = f"{p} @ {rate:g}/s"
+            if not budget.allows(min(last_cost, cutoff), label):
+                bar.update(1)
+                continue
+            t0 = budget.elapsed()
+            work = serving.trace_work(trace, vocab, s.seed + int(rate * 1000))
+            st = serving.run(llms[p], work, realtime=True, cutoff_s=cutoff)
+            last_cost = budget.elapsed() - t0
+            row = {"policy": p, "rate": rate, "cutoff_s": cutoff, "cut_off": st.num_finished < st.num_requests,
+                   "offered_span_s": last_arrival, **st.summary()}
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    return rows, budget.skipped, warm
+
+
+def analyse(rows: list[dict[str, Any]], s: configs.ThroughputVsRateSettings) -> dict[str, Any]:
+    by = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"]) for p in s.policies}
+    base = by.get("continuous") or next(iter(by.values()))
+    unloaded = base[0]["mean_normalized_latency_s"] if base else math.nan
+    threshold = s.latency_threshold_factor * unloaded
+    out: dict[str, Any] = {"unloaded_normalized_latency_s": unloaded, "threshold_s": threshold, "policies": {}}
+    for p, rs in by.items():
+        rate, how = sustained_rate([r["rate"] for r in rs], [r["mean_normalized_latency_s"] for r in rs], threshold)
+        peak = max((r["requests_per_s"] for r in rs), default=0.0)
+        out["policies"][p] = {"sustained_rate": rate, "sustained_how": how, "peak_requests_per_s": peak}
+    if {"continuous", "static"} <= out["policies"].keys():
+        c, st = out["policies"]["continuous"], out["policies"]["static"]
+        out["sustained_ratio"] = c["sustained_rate"] / st["sustained_rate"] if st["sustained_rate"] else math.nan
+        how = {("crossing", "crossing"): "=", (">=", "crossing"): ">=", ("crossing", "<"): ">", (">=", "<"): ">"}
+        out["sustained_ratio_how"] = how.get((c["sustained_how"], st["sustained_how"]), "~")
+        out["peak_throughput_ratio"] = (c["peak_requests_per_s"] / st["peak_requests_per_s"]
+                                        if st["peak_requests_per_s"] else math.nan)
+    return out
+
+
+def _fig(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVsRateSettings):
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for p in s.policies:
+        rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
+        if not rs:
+            continue
+        x = [r["rate"] for r in rs]
+        line, = ax.plot(x, [r["mean_normalized_latency_s"] for r in rs], "o-", label=LABELS[p])
+        cut = [r for r in rs if r["cut_off"]]
+        if cut:
+            ax.plot([r["rate"] for r in cut], [r["mean_normalized_latency_s"] for r in cut], "x",
+                    color=line.get_color(), ms=10, label=f"{p}: cut off (lower bound)")
+        ax2.plot(x, [r["requests_per_s"] for r in rs], "o-", color=line.get_color(), label=LABELS[p])
+        sr = an["policies"].get(p, {})
+        if sr.get("sustained_how") == "crossing":
+            ax.axvline(sr["sustained_rate"], color=line.get_color(), ls=":", lw=1)
+    ax.axhline(an["threshold_s"], color="grey", ls="--", lw=1,
+               label=f"threshold: {s.latency_threshold_factor:g}x unloaded")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(f"{s.trace}-like trace: latency against load")
+    ax.legend(fontsize=7)
+    top = max(s.rates)
+    ax2.plot([0, top], [0, top], color="grey", ls=":", lw=1, label="served = offered")
+    ax2.set_xlabel("request rate (requests/s)")
+    ax2.set_ylabel("finished requests/s")
+    ax2.set_title("Throughput achieved")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _rate(x: float, how: str) -> str:
+    if not math.isfinite(x):
+        return "n/a"
+    return {"crossing": f"{x:.1f}/s", ">=": f">= {x:g}/s (never crossed)", "<": f"< {x:g}/s"}[how]
+
+
+def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVsRateSettings,
+            skipped: list[str], warm: dict) -> tuple[str, str]:
+    paper_lo, paper_hi = common.PAPER["throughput_gain_vs_orca_ft"]
+    head = []
+    for p in s.policies:
+        a = an["policies"].get(p)
+        if a:
+            head.append([LABELS[p], _rate(a["sustained_rate"], a["sustained_how"]),
+                         f"{a['peak_requests_per_s']:.1f}/s"])
+    ratio = an.get("sustained_ratio")
+    if ratio is not None and math.isfinite(ratio):
+        rel = {"=": "", ">=": "at least ", ">": "more than ", "~": "about "}[an["sustained_ratio_how"]]
+        head.append(["ratio continuous / static", f"{rel}{ratio:.1f}x (paper: {paper_lo:g}-{paper_hi:g}x)",
+                     f"{an['peak_throughput_ratio']:.1f}x"])
+    table = ("## Against the paper (Fig. 12)\n\n" + common.markdown_table(
+        ["policy", f"sustained rate (latency < {an['threshold_s'] * 1e3:.1f} ms/token)", "peak finished requests/s"],
+        head))
+    by_rate = {}
+    for r in rows:
+        by_rate.setdefault(r["rate"], {})[r["policy"]] = r
+    lines = []
+    for rate in sorted(by_rate):
+        cells = [f"{rate:g}"]
+        for p in s.policies:
+            r = by_rate[rate].get(p)
+            if r is None:
+                cells += ["skipped", "", ""]
+                continue
+            lat = serving.fmt_s(r["mean_normalized_latency_s"]) + (" (cut off)" if r["cut_off"] else "")
+            cells += [lat, f"{r['requests_per_s']:.1f}", f"{r['mean_batch']:.1f}"]
+        lines.append(cells)
+    cols = ["rate (req/s)"]
+    for p in s.policies:
+        cols += [f"{p}: normalized latency", f"{p}: finished/s", f"{p}: mean batch"]
+    table += "\n\n## Every rate\n\n" + common.markdown_table(cols, lines)
+    g = s.engine
+    notes = (
+        f"Trace: {s.trace}-like requests (`paxkv/workloads.py`), prompts clipped to {s.max_prompt_len} and "
+        f"outputs to {s.max_output_len} tokens, random token ids, greedy with EOS ignored so every request "
+        f"generates exactly its length; Poisson arrivals over {s.window_s:g} s (at least {s.min_requests} "
+        f"requests) per rate. Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots in blocks "
+        f"of {g.block_size}, at most {g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, "
+        f"max_model_len {g.max_model_len}, so the static policy runs at most {static_capacity(g)} requests "
+        "at a time. "
+        "Normalized latency = mean over requests of (finish - arrival) / output tokens. A run is cut off "
+        f"{s.drain_s:g} s after its last arrival; its unfinished requests count with the cut-off as their finish, "
+        "so a cut-off point is a lower bound. Compilation is excluded: a warm-up run of the busiest trace's "
+        f"first {s.warmup_requests} requests ({2 * static_capacity(g)} for the static policy), queued at once, "
+        "compiles first, and any step that compiles later pauses the clock (warm-up compiles: "
+        + ", ".join(f"{p} {w['compiles']} in {w['compile_s']:.1f} s" for p, w in warm.items()) + ")."
+        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+    return table, notes
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = configs.get(NAME, FLAGS.setting)
+    if FLAGS.time_budget_s is not None:
+        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    if FLAGS.rates:
+        s = dataclasses.replace(s, rates=tuple(float(r) for r in FLAGS.rates))
+    rows, skipped, warm = sweep(s)
+    an = analyse(rows, s)
+    table, notes = _tables(rows, an, s, skipped, warm)
+    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
+    paths = common.write_results(
+        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+        title="Throughput against request rate: continuous paged against static batching (paper Fig. 12)",
+        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
+        settings=dataclasses.asdict(s),
+        results={"runs": [{k: v for k, v in r.items()} for r in rows], "analysis": an, "skipped": skipped,
+                 "warm_up": warm, "paper": {"throughput_gain_vs_orca_ft": common.PAPER["throughput_gain_vs_orca_ft"]}},
+        table=table, notes=notes, figure=_fig(rows, an, s))
+    print(table)
+    print("wrote", ", ".join(paths.values()))
+
+
+if __name__ == "__main__":
+    app.run(main)
