@@ -139,7 +139,9 @@ class SharingSettings:
     """Memory saved by sharing KV blocks among parallel samples and beams (paper Fig. 15),
     and the throughput it buys in a fixed pool."""
 
-    engine: EngineGeometry = dataclasses.replace(CPU_ENGINE, pool_tokens=512, max_model_len=256)
+    # A pool that binds before the batch-slot limit does, with room for a few requests'
+    # groups (a group of samples or beams is preempted together).
+    engine: EngineGeometry = dataclasses.replace(CPU_ENGINE, pool_tokens=1024, max_model_len=256)
     trace: str = "alpaca"
     num_requests: int = 16
     max_prompt_len: int = 64
@@ -219,7 +221,7 @@ SETTINGS: dict[str, dict[str, object]] = {
     },
     "sharing_savings": {
         "cpu": SharingSettings(),
-        "gpu": SharingSettings(engine=dataclasses.replace(GPU_ENGINE, pool_tokens=512, max_model_len=256),
+        "gpu": SharingSettings(engine=dataclasses.replace(GPU_ENGINE, pool_tokens=1024, max_model_len=256),
                                num_requests=8, time_budget_s=100.0),
         "tiny": SharingSettings(engine=TINY_ENGINE, num_requests=2, max_prompt_len=20, max_output_len=12,
                                 parallel_n=(2,), beam_widths=(2,)),

@@ -218,6 +218,8 @@ class LLMEngine:
         from paxkv.runner import WorkItem
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - t_start
+        python_extra = 0.0
         changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
         self._aborted_outputs = []
         host_s = device_s = compile_s = 0.0
@@ -227,7 +229,7 @@ class LLMEngine:
         self.runner.copy_blocks(out.blocks_to_copy)
         k = self._multi_step_count(out)
         if k > 1:
-            host_s, device_s, compile_s = self._multi_decode(out, k, changed, only_finished)
+            host_s, device_s, compile_s, python_extra = self._multi_decode(out, k, changed, only_finished)
         elif out.chunks:
             items, rows, row_owner = [], [], []
             for i, c in enumerate(out.chunks):
@@ -238,10 +240,13 @@ class LLMEngine:
                     r = self._rows_for(i, seq)
                     rows.extend(r)
                     row_owner.extend([seq] * len(r))
+            t_build = time.perf_counter()
             sample, timing = self.runner.execute(items, rows)
+            t_post = time.perf_counter()
             host_s, device_s, compile_s = timing.host_s, timing.device_s, timing.compile_s
             self.scheduler.on_step_done(out)
             self._apply_samples(sample, rows, row_owner, changed, only_finished)
+            python_extra = (t_build - t_start - schedule_s) + timing.pack_s + (time.perf_counter() - t_post)
         wall = time.perf_counter() - t_start
         bm = self.block_manager
         self.metrics.record(StepStats(
@@ -251,7 +256,8 @@ class LLMEngine:
             num_decode_tokens=out.num_decode_tokens * max(1, k), num_preemptions=len(out.preempted),
             blocks_used=bm.num_used_blocks, blocks_free=bm.num_available_blocks,
             blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
-            device_s=device_s, compile_s=compile_s, wall_s=wall))
+            device_s=device_s, compile_s=compile_s, wall_s=wall,
+            python_s=0.0 if compile_s else schedule_s + python_extra))
         self.metrics.prefix_cache_queries = bm.prefix_cache_queries
         self.metrics.prefix_cache_hits = bm.prefix_cache_hits
         self._step_index += 1
@@ -287,9 +293,10 @@ class LLMEngine:
         return k
 
     def _multi_decode(self, out: Any, k: int, changed: dict[str, RequestOutput],
-                      only_finished: bool) -> tuple[float, float, float]:
+                      only_finished: bool) -> tuple[float, float, float, float]:
         """Run k decode steps in one device call, then replay them on the host in order."""
         from paxkv.runner import WorkItem
+        t_reserve = time.perf_counter()
         copies = []
         for c in out.chunks:   # reserve slots for all k tokens (copy-on-write if shared)
             copies += self.block_manager.append_slots(c.seq, k)
@@ -300,7 +307,9 @@ class LLMEngine:
             items.append(WorkItem(seq.token_ids[c.start:c.start + 1], c.start, seq.block_table))
             rows.extend(self._rows_for(i, seq))
             seqs.append(seq)
+        t_build = time.perf_counter()
         sample, timing = self.runner.execute_multi_decode(items, rows, k)
+        t_post = time.perf_counter()
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         touched: dict[str, _Request] = {}
@@ -316,7 +325,8 @@ class LLMEngine:
                 self._append(req, seq, tokens[j][i], logprobs[j][i], (), ())
                 touched[req.request_id] = req
         self._finish_touched(touched, changed, only_finished)
-        return timing.host_s, timing.device_s, timing.compile_s
+        python_s = (t_build - t_reserve) + timing.pack_s + (time.perf_counter() - t_post)
+        return timing.host_s, timing.device_s, timing.compile_s, python_s
 
     def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
                        changed: dict[str, RequestOutput], only_finished: bool = False) -> None:

@@ -23,10 +23,11 @@ class StepStats:
     blocks_used: int
     blocks_free: int
     blocks_logical: int           # blocks the live sequences would hold without sharing
-    host_s: float
+    host_s: float                 # step wall minus the wait for device results
     device_s: float
     compile_s: float
     wall_s: float
+    python_s: float = 0.0         # engine Python: scheduling, packing, token bookkeeping
 
 
 @dataclasses.dataclass
@@ -65,6 +66,9 @@ class Metrics:
             "compile_s": sum(s.compile_s for s in self.steps),
             "wall_s": sum(s.wall_s for s in self.steps),
             "host_share": host / wall if wall else 0.0,
+            # The engine's own Python (schedule, pack, append/stop) against step wall time; the
+            # rest of the host share is JAX dispatch and transfers.
+            "python_share": sum(s.python_s for s in run) / wall if wall else 0.0,
             "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
                                       if self.prefix_cache_queries else 0.0),
         }

@@ -76,6 +76,7 @@ class HostSample:
 @dataclasses.dataclass
 class StepTiming:
     host_s: float = 0.0         # packing + dispatch on the host
+    pack_s: float = 0.0         # of which: building the padded numpy arrays
     device_s: float = 0.0       # waiting for the device result
     compile_s: float = 0.0      # first call of a new shape bucket (traced + compiled)
     compiled: bool = False
@@ -267,6 +268,19 @@ class Runner:
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
         return st, all_greedy, k
 
+    def _account(self, key: tuple, new: bool, timing: StepTiming, t0: float, t1: float,
+                 t2: float) -> None:
+        """A new shape bucket's first call is compile time; otherwise split host / device."""
+        if new:
+            self.compiled_keys.add(key)
+            self.num_compilations += 1
+            timing.compiled = True
+            timing.compile_s = t2 - t0
+            self.compile_time_s += t2 - t0
+        else:
+            timing.host_s = t1 - t0
+            timing.device_s = t2 - t1
+
     def execute_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
                              num_steps: int) -> tuple[HostSample, StepTiming]:
         """`num_steps` decode steps over `items` (one token each, row i samples item i).
@@ -284,6 +298,7 @@ class Runner:
         padded = list(rows) + [SampleRow(i) for i in range(n, num_seqs)]
         st, all_greedy, _ = self.pack_sampling(padded)
         st = jax.tree.map(lambda x: x[:num_seqs], st)
+        timing.pack_s = time.perf_counter() - t0
         key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
         new = key not in self.compiled_keys
         out_tok, out_lp, self.kv_pool = _jit_multi_decode(
@@ -292,16 +307,7 @@ class Runner:
         t1 = time.perf_counter()
         host = HostSample(np.asarray(out_tok)[:, :n], np.asarray(out_lp)[:, :n],
                           np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
-        t2 = time.perf_counter()
-        if new:
-            self.compiled_keys.add(key)
-            self.num_compilations += 1
-            timing.compiled = True
-            timing.compile_s = t2 - t0
-            self.compile_time_s += t2 - t0
-        else:
-            timing.host_s = t1 - t0
-            timing.device_s = t2 - t1
+        self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing
 
     def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
@@ -310,6 +316,7 @@ class Runner:
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
+        timing.pack_s = time.perf_counter() - t0
         key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
                st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
         new = key not in self.compiled_keys
@@ -319,14 +326,5 @@ class Runner:
             num_logprobs=k)
         t1 = time.perf_counter()
         host = HostSample(*(np.asarray(x) for x in result))
-        t2 = time.perf_counter()
-        if new:
-            self.compiled_keys.add(key)
-            self.num_compilations += 1
-            timing.compiled = True
-            timing.compile_s = t2 - t0
-            self.compile_time_s += t2 - t0
-        else:
-            timing.host_s = t1 - t0
-            timing.device_s = t2 - t1
+        self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing

@@ -192,7 +192,7 @@ def run_engine(engine, requests, label: str) -> dict:
         "peak_kv_blocks": s["max_blocks_used"], "mean_kv_usage": s["mean_kv_usage"],
         "num_kv_blocks": engine.metrics.num_blocks - 1, "preemptions": s["preemptions"],
         "compilations_in_run": len(intervals), "compile_s_in_run": excluded,
-        "host_share_of_step": s["host_share"],
+        "host_share_of_step": s["host_share"], "python_share_of_step": s["python_share"],
         "host_ms_per_step": 1e3 * sum(st.host_s for st in run) / max(1, len(run)),
         "device_ms_per_step": 1e3 * sum(st.device_s for st in run) / max(1, len(run)),
         "steps": len(run),
@@ -205,7 +205,9 @@ def host_share_at_full_batch(engine) -> dict:
              and s.num_seqs_scheduled >= FLAGS.max_num_seqs and s.num_prefill_tokens == 0]
     wall = sum(s.wall_s for s in steps)
     host = sum(s.host_s for s in steps)
+    py = sum(s.python_s for s in steps)
     return {"steps": len(steps), "host_share": host / wall if wall else float("nan"),
+            "python_share": py / wall if wall else float("nan"), "python_ms": 1e3 * py / max(1, len(steps)),
             "host_ms": 1e3 * host / max(1, len(steps)), "wall_ms": 1e3 * wall / max(1, len(steps))}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine_helpers import assert_no_leaks
 from hf_fixtures import hf_greedy, make_hf_checkpoint, make_hf_llama
 from paxkv import LLM, SamplingParams
 
@@ -42,13 +43,6 @@ def make_llm(checkpoint, **kw):
                 max_num_seqs=8, max_num_batched_tokens=64, swap_space=0.01, tokenizer=None)
     args.update(kw)
     return LLM(checkpoint, **args)
-
-
-def assert_no_leaks(llm):
-    bm = llm.llm_engine.block_manager
-    assert bm.num_used_blocks == 0
-    assert all(bm.ref_count(b) == 0 for b in range(1, llm.llm_engine.metrics.num_blocks))
-    bm.check_invariants()
 
 
 @pytest.mark.parametrize("mode,chunk", [("recompute", 64), ("swap", 64), ("recompute", 16)])
