@@ -73,13 +73,15 @@ def _fig(rows: list[dict[str, Any]], s: configs.BlockSizeSettings):
             continue
         x = [r["block_size"] for r in rs]
         axes[0].plot(x, [r["mean_normalized_latency_s"] * 1e3 for r in rs], "o-", label=trace)
-        axes[1].plot(x, [r["requests_per_s"] for r in rs], "o-", label=trace)
+        best = max(r["requests_per_s"] for r in rs)
+        axes[1].plot(x, [r["requests_per_s"] / best for r in rs], "o-",
+                     label=f"{trace} (best {best:.2f} requests/s)")
         axes[2].plot(x, [r["mean_batch"] for r in rs], "o-", label=trace)
         lo, hi = common.PAPER["block_size_best"][trace]
         color = axes[1].lines[-1].get_color()
         for ax in axes[:2]:
             ax.axvspan(lo, hi, color=color, alpha=0.08)
-    titles = ("Normalized latency (ms/token)", "Throughput (requests/s)", "Mean sequences per step")
+    titles = ("Normalized latency (ms/token)", "Throughput, relative to the trace's best", "Mean sequences per step")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (tokens)")

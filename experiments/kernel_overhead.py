@@ -182,10 +182,15 @@ def _fig(bench: dict[str, Any] | None, rows: list[dict[str, Any]], s: configs.Ke
         if "reference_overhead" in r:
             series.setdefault("this run: jnp reference paged vs jnp contiguous", []).append(
                 (x, r["reference_overhead"]))
-    width = 0.8 / max(1, len(series))
-    for j, (name, pts) in enumerate(series.items()):
-        ax.bar([x + (j - (len(series) - 1) / 2) * width for x, _ in pts], [100 * y for _, y in pts], width=width,
-               label=name)
+    # Bars of one x side by side, centred on it, whatever series have a value there.
+    at: dict[int, list[str]] = {}
+    for name, pts in series.items():
+        for x, _ in pts:
+            at.setdefault(x, []).append(name)
+    width = 0.8 / max((len(v) for v in at.values()), default=1)
+    for name, pts in series.items():
+        xs = [x + (at[x].index(name) - (len(at[x]) - 1) / 2) * width for x, _ in pts]
+        ax.bar(xs, [100 * y for _, y in pts], width=width, label=name)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("extra latency of paged attention (%)")

@@ -51,11 +51,6 @@ def make_llm(geo: "configs.EngineGeometry", **override: Any):
     return llm
 
 
-def release_weights() -> None:
-    """Drop the shared weights (the next make_llm builds them again)."""
-    _PARAMS.clear()
-
-
 def clip_trace(trace: Sequence[Request], max_prompt_len: int, max_output_len: int) -> list[Request]:
     """The trace with prompt and output lengths capped (so it fits a smaller max_model_len)."""
     return [Request(min(r.prompt_len, max_prompt_len), min(r.output_len, max_output_len), r.arrival_time)

@@ -70,6 +70,8 @@ def work_maker(kind: str, width: int, shared: bool, trace: list[workloads.Reques
 
 def sweep(s: configs.SharingSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     budget = serving.Budget(s.time_budget_s)
+    if not budget.allows(0.0, "everything (no time left)"):
+        return [], budget.skipped
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
     llm = serving.make_llm(s.engine)

@@ -105,20 +105,27 @@ def sweep(s: configs.ThroughputVsRateSettings, progress: bool = True) -> tuple[l
 
 
 def analyse(rows: list[dict[str, Any]], s: configs.ThroughputVsRateSettings) -> dict[str, Any]:
+    """Sustained rates at every latency threshold, peak throughput, and their ratios."""
     by = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"]) for p in s.policies}
-    base = by.get("continuous") or next(iter(by.values()))
+    base = by.get("continuous") or next(iter(by.values()), [])
     unloaded = base[0]["mean_normalized_latency_s"] if base else math.nan
-    threshold = s.latency_threshold_factor * unloaded
-    out: dict[str, Any] = {"unloaded_normalized_latency_s": unloaded, "threshold_s": threshold, "policies": {}}
+    out: dict[str, Any] = {"unloaded_normalized_latency_s": unloaded, "thresholds": [], "policies": {}}
     for p, rs in by.items():
-        rate, how = sustained_rate([r["rate"] for r in rs], [r["mean_normalized_latency_s"] for r in rs], threshold)
-        peak = max((r["requests_per_s"] for r in rs), default=0.0)
-        out["policies"][p] = {"sustained_rate": rate, "sustained_how": how, "peak_requests_per_s": peak}
+        out["policies"][p] = {"peak_requests_per_s": max((r["requests_per_s"] for r in rs), default=0.0)}
+    for factor in s.latency_threshold_factors:
+        th: dict[str, Any] = {"factor": factor, "threshold_s": factor * unloaded, "policies": {}}
+        for p, rs in by.items():
+            rate, how = sustained_rate([r["rate"] for r in rs], [r["mean_normalized_latency_s"] for r in rs],
+                                       factor * unloaded)
+            th["policies"][p] = {"sustained_rate": rate, "sustained_how": how}
+        if {"continuous", "static"} <= th["policies"].keys():
+            c, st = th["policies"]["continuous"], th["policies"]["static"]
+            th["ratio"] = c["sustained_rate"] / st["sustained_rate"] if st["sustained_rate"] else math.nan
+            how = {("crossing", "crossing"): "=", (">=", "crossing"): ">=", ("crossing", "<"): ">", (">=", "<"): ">"}
+            th["ratio_how"] = how.get((c["sustained_how"], st["sustained_how"]), "~")
+        out["thresholds"].append(th)
     if {"continuous", "static"} <= out["policies"].keys():
         c, st = out["policies"]["continuous"], out["policies"]["static"]
-        out["sustained_ratio"] = c["sustained_rate"] / st["sustained_rate"] if st["sustained_rate"] else math.nan
-        how = {("crossing", "crossing"): "=", (">=", "crossing"): ">=", ("crossing", "<"): ">", (">=", "<"): ">"}
-        out["sustained_ratio_how"] = how.get((c["sustained_how"], st["sustained_how"]), "~")
         out["peak_throughput_ratio"] = (c["peak_requests_per_s"] / st["peak_requests_per_s"]
                                         if st["peak_requests_per_s"] else math.nan)
     return out
@@ -138,11 +145,12 @@ def _fig(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVs
             ax.plot([r["rate"] for r in cut], [r["mean_normalized_latency_s"] for r in cut], "x",
                     color=line.get_color(), ms=10, label=f"{p}: cut off (lower bound)")
         ax2.plot(x, [r["requests_per_s"] for r in rs], "o-", color=line.get_color(), label=LABELS[p])
-        sr = an["policies"].get(p, {})
-        if sr.get("sustained_how") == "crossing":
-            ax.axvline(sr["sustained_rate"], color=line.get_color(), ls=":", lw=1)
-    ax.axhline(an["threshold_s"], color="grey", ls="--", lw=1,
-               label=f"threshold: {s.latency_threshold_factor:g}x unloaded")
+        for th in an["thresholds"]:
+            sr = th["policies"].get(p, {})
+            if sr.get("sustained_how") == "crossing":
+                ax.axvline(sr["sustained_rate"], color=line.get_color(), ls=":", lw=1)
+    for th, ls in zip(an["thresholds"], ("--", "-.", ":")):
+        ax.axhline(th["threshold_s"], color="grey", ls=ls, lw=1, label=f"threshold: {th['factor']:g}x unloaded")
     ax.set_yscale("log")
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("normalized latency (s/token)")
@@ -169,18 +177,24 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
     paper_lo, paper_hi = common.PAPER["throughput_gain_vs_orca_ft"]
     head = []
     for p in s.policies:
-        a = an["policies"].get(p)
-        if a:
-            head.append([LABELS[p], _rate(a["sustained_rate"], a["sustained_how"]),
-                         f"{a['peak_requests_per_s']:.1f}/s"])
-    ratio = an.get("sustained_ratio")
-    if ratio is not None and math.isfinite(ratio):
-        rel = {"=": "", ">=": "at least ", ">": "more than ", "~": "about "}[an["sustained_ratio_how"]]
-        head.append(["ratio continuous / static", f"{rel}{ratio:.1f}x (paper: {paper_lo:g}-{paper_hi:g}x)",
-                     f"{an['peak_throughput_ratio']:.1f}x"])
-    table = ("## Against the paper (Fig. 12)\n\n" + common.markdown_table(
-        ["policy", f"sustained rate (latency < {an['threshold_s'] * 1e3:.1f} ms/token)", "peak finished requests/s"],
-        head))
+        if p not in an["policies"]:
+            continue
+        cells = [LABELS[p]]
+        for th in an["thresholds"]:
+            a = th["policies"][p]
+            cells.append(_rate(a["sustained_rate"], a["sustained_how"]))
+        head.append(cells + [f"{an['policies'][p]['peak_requests_per_s']:.1f}/s"])
+    if "peak_throughput_ratio" in an:
+        cells = [f"ratio continuous / static (paper: {paper_lo:g}-{paper_hi:g}x)"]
+        for th in an["thresholds"]:
+            ratio = th.get("ratio", math.nan)
+            rel = {"=": "", ">=": "at least ", ">": "more than ", "~": "about "}[th.get("ratio_how", "~")]
+            cells.append(f"{rel}{ratio:.1f}x" if math.isfinite(ratio) else "n/a")
+        head.append(cells + [f"{an['peak_throughput_ratio']:.1f}x"])
+    cols = ["policy"] + [f"sustained rate: latency < {th['factor']:g}x unloaded "
+                         f"({th['threshold_s'] * 1e3:.1f} ms/token)" for th in an["thresholds"]]
+    cols.append("peak finished requests/s")
+    table = "## Against the paper (Fig. 12)\n\n" + common.markdown_table(cols, head)
     by_rate = {}
     for r in rows:
         by_rate.setdefault(r["rate"], {})[r["policy"]] = r
@@ -210,7 +224,8 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
         "at a time. "
         "Normalized latency = mean over requests of (finish - arrival) / output tokens. A run is cut off "
         f"{s.drain_s:g} s after its last arrival; its unfinished requests count with the cut-off as their finish, "
-        "so a cut-off point is a lower bound. Compilation is excluded: a warm-up run of the busiest trace's "
+        "so a cut-off point is a lower bound; the sustained rate is where the latency curve crosses a threshold, "
+        "interpolated linearly between measured rates. Compilation is excluded: a warm-up run of the busiest trace's "
         f"first {s.warmup_requests} requests ({2 * static_capacity(g)} for the static policy), queued at once, "
         "compiles first, and any step that compiles later pauses the clock (warm-up compiles: "
         + ", ".join(f"{p} {w['compiles']} in {w['compile_s']:.1f} s" for p, w in warm.items()) + ")."

@@ -540,7 +540,10 @@ class LLM:
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
         bytes_per_block = block_bytes(cfg, block_size, kv_dtype)
-        num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu)
+        num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu, profile=dict(
+            cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=max_model_len))
         need = math.ceil(max_model_len / block_size) + 1
         if num_blocks < need:
             raise ValueError(
@@ -558,20 +561,26 @@ class LLM:
         self._request_counter = itertools.count()
 
     @staticmethod
-    def _num_blocks(cache: CacheConfig, params: Any, bytes_per_block: float, on_gpu: bool) -> int:
-        """Override, else profile the accelerator (weights + activations), else the CPU default."""
+    def _num_blocks(cache: CacheConfig, params: Any, bytes_per_block: float, on_gpu: bool,
+                    profile: dict[str, Any]) -> int:
+        """Override, else profile the accelerator once (weights + the largest step's
+        activations, as vLLM does) and give the KV pool the rest, else the CPU default."""
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if not on_gpu:
             return cache.cpu_default_num_blocks
         import jax
+
+        from paxkv.runner import profile_activation_bytes
+        activations = profile_activation_bytes(params=params, **profile)
         stats = jax.devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
-        in_use = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
-        # Activations of the largest step are a small fraction of the weights for decoding;
-        # reserve 10% of what remains for them and XLA's scratch space.
-        free = limit * cache.gpu_memory_utilization - in_use
-        return max(2, int(0.9 * free // bytes_per_block))
+        weights = stats.get("bytes_in_use", 0)
+        # 5% of the budget stays free for XLA's scratch space and fragmentation.
+        free = limit * cache.gpu_memory_utilization * 0.95 - weights - activations
+        logger.info("KV pool sizing: limit %.1f GiB, in use %.1f GiB, activations %.2f GiB",
+                    limit / 2**30, weights / 2**30, activations / 2**30)
+        return max(2, int(free // bytes_per_block))
 
     @property
     def metrics(self) -> Metrics:

@@ -140,6 +140,30 @@ _gather_blocks = jax.jit(kvp.gather_blocks)          # pages and (quantized pool
 _scatter_blocks = jax.jit(kvp.scatter_blocks, donate_argnums=(0,))
 
 
+def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, block_size: int,
+                             kv_dtype: Any, max_num_seqs: int, max_num_batched_tokens: int,
+                             max_model_len: int) -> int:
+    """Device bytes the largest step needs beyond weights and pool (vLLM's profile run).
+
+    Runs one prefill step of `max_num_batched_tokens` tokens over a two-block pool (every
+    slot in the null block) and reads the allocator's peak. 0 where the device reports no
+    memory statistics (CPU).
+    """
+    device = jax.devices()[0]
+    before = (device.memory_stats() or {}).get("bytes_in_use", 0)
+    runner = Runner(cfg, params, num_blocks=2, block_size=block_size, kv_dtype=kv_dtype,
+                    backend=backend, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                    fixed_shapes=True)
+    tokens = min(max_num_batched_tokens, max_model_len - 1)
+    item = WorkItem([0] * tokens, 0, [0] * math.ceil(tokens / block_size))
+    runner.execute([item], [SampleRow(0)])
+    stats = device.memory_stats() or {}
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pool))
+    del runner
+    return max(0, stats.get("peak_bytes_in_use", 0) - before - pool_bytes)
+
+
 class Runner:
     """Owns params, the KV pool and the host swap pool; runs one scheduled step at a time."""
 
@@ -186,17 +210,26 @@ class Runner:
         if not pairs:
             return
         dev, host = (np.asarray(x, np.int32) for x in zip(*pairs))
-        blocks = _gather_blocks(self.kv_pool, jnp.asarray(dev))
+        n = len(dev)
+        padded = np.zeros(pick_bucket(n, self.copy_buckets), np.int32)  # pad: the null block
+        padded[:n] = dev
+        blocks = _gather_blocks(self.kv_pool, jnp.asarray(padded))
         for h, d in zip(jax.tree.leaves(self.host_pool), jax.tree.leaves(blocks)):
-            h[host] = np.asarray(d)
+            h[host] = np.asarray(d)[:n]
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host pool -> device blocks."""
         if not pairs:
             return
         host, dev = (np.asarray(x, np.int32) for x in zip(*pairs))
-        blocks = jax.tree.map(lambda h: jnp.asarray(h[host]), self.host_pool)
-        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev), blocks)
+        n = len(dev)
+        size = pick_bucket(n, self.copy_buckets)   # bucketed: a new count compiles nothing
+        host_p = np.full(size, host[0], np.int32)
+        host_p[:n] = host
+        dev_p = np.zeros(size, np.int32)           # padding rows land in the null block
+        dev_p[:n] = dev
+        blocks = jax.tree.map(lambda h: jnp.asarray(h[host_p]), self.host_pool)
+        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev_p), blocks)
 
     # ---- the step -----------------------------------------------------------------------
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:

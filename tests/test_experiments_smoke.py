@@ -79,7 +79,9 @@ def test_throughput_vs_rate_tiny(tmp_path):
     static_cap = min(s.engine.max_num_seqs, s.engine.pool_tokens // s.engine.max_model_len)
     assert all(r["mean_batch"] <= static_cap for r in runs if r["policy"] == "static")
     an = payload["results"]["analysis"]
-    assert an["threshold_s"] == pytest.approx(s.latency_threshold_factor * an["unloaded_normalized_latency_s"])
+    for th, factor in zip(an["thresholds"], s.latency_threshold_factors):
+        assert th["threshold_s"] == pytest.approx(factor * an["unloaded_normalized_latency_s"])
+        assert set(th["policies"]) == set(s.policies)
     assert "2-4x" in (tmp_path / "throughput_vs_rate.md").read_text()
 
 

@@ -117,9 +117,13 @@ class BlockManager:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def logical_blocks_in_use(self) -> int:
-        """Blocks the device-resident sequences would need with no sharing at all."""
+        """Blocks the device-resident sequences would need with no sharing at all.
+
+        Counts tokens whose K/V is written (the just-sampled token has none yet), so it
+        compares like for like with the physical blocks in use.
+        """
         bs = self.block_size
-        return sum(_cdiv(len(s.token_ids), bs) for s in self._device_seqs.values())
+        return sum(_cdiv(s.num_computed_tokens, bs) for s in self._device_seqs.values())
 
     def num_tokens_in_use(self) -> int:
         """Token slots the device-resident sequences fill (shared tokens counted per sequence)."""
