@@ -74,6 +74,13 @@ def plan_rows(s: configs.CapacitySettings) -> list[dict[str, Any]]:
                                      s.block_size, s.gpu_memory_utilization, s.activation_reserve_bytes)
                 rows.append(_row(plan, model, gpu, kv_name, "engine default", s.seq_len,
                                  _dtype_name(s.weight_dtype_bytes)))
+            # What the engine's 8-bit pool really stores: one bf16 scale per (token, head) of K and V.
+            scales = 2 * cfg.num_layers * cfg.num_kv_heads * 2.0
+            plan = plan_capacity(configs.GPUS[gpu], cfg, s.weight_dtype_bytes, 1.0, s.block_size,
+                                 s.gpu_memory_utilization, s.activation_reserve_bytes,
+                                 kv_scale_bytes_per_token=scales)
+            rows.append(_row(plan, model, gpu, "fp8/int8 + scales", "engine default", s.seq_len,
+                             _dtype_name(s.weight_dtype_bytes)))
     for model, gpu, wbytes in s.extra_plans:
         for kv_name in kv_bytes:
             plan = plan_capacity(configs.GPUS[gpu], get_preset(model), wbytes, kv_bytes[kv_name],
@@ -201,7 +208,9 @@ def _tables(rows: list[dict[str, Any]], device: dict[str, Any] | None, s: config
              f"reserve); \"engine default\" is {common.pct(s.gpu_memory_utilization, 0)} of the device minus "
              f"{s.activation_reserve_bytes / GiB:.0f} GiB for activations. Device memory is what the driver reports "
              "(an H200 \"141 GB\" has 140.4 GiB). Blocks count the pool's pages, block 0 (the null block) included. "
-             "FP8 rows exclude per-token scales. \"seqs\" = sequences of the given length that fit at once.")
+             "FP8 rows exclude per-token scales, except \"fp8/int8 + scales\", which counts the bf16 scale "
+             "per (token, head) of K and V that the engine's 8-bit pool stores. \"seqs\" = sequences of the "
+             "given length that fit at once.")
     return table, notes
 
 
