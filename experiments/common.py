@@ -54,6 +54,17 @@ PAPER: dict[str, Any] = {
 _RECORDED_ENV = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
 
 
+def define_serving_flags() -> None:
+    """The flags every serving experiment takes: which settings, where to write, time budget."""
+    from absl import flags
+    flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"],
+                      "Which settings of configs/experiments.py to use.")
+    flags.DEFINE_string("out_dir", "results",
+                        "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
+    flags.DEFINE_float("time_budget_s", None,
+                       "Override the settings' time budget (seconds; <= 0: none).")
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command that reproduces this run, relative to the repository root."""
     argv = list(sys.argv if argv is None else argv)

@@ -31,9 +31,7 @@ from paxkv import workloads
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"], "Which settings of configs/experiments.py to use.")
-flags.DEFINE_string("out_dir", "results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
-flags.DEFINE_float("time_budget_s", None, "Override the settings' time budget (seconds; <= 0: none).")
+common.define_serving_flags()
 
 NAME = "sharing_savings"
 
