@@ -164,6 +164,13 @@ def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, blo
     return max(0, stats.get("peak_bytes_in_use", 0) - before - pool_bytes)
 
 
+def _fetch(arrays: tuple[jax.Array, ...]) -> list[np.ndarray]:
+    """Device results -> numpy, with every transfer queued before the first wait."""
+    for x in arrays:
+        x.copy_to_host_async()
+    return [np.asarray(x) for x in arrays]
+
+
 class Runner:
     """Owns params, the KV pool and the host swap pool; runs one scheduled step at a time."""
 
@@ -338,7 +345,8 @@ class Runner:
             self.params, self.kv_pool, jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, st),
             cfg=self.cfg, backend=self.backend, all_greedy=all_greedy, num_steps=num_steps)
         t1 = time.perf_counter()
-        host = HostSample(np.asarray(out_tok)[:, :n], np.asarray(out_lp)[:, :n],
+        out_tok, out_lp = _fetch((out_tok, out_lp))
+        host = HostSample(out_tok[:, :n], out_lp[:, :n],
                           np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
         self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing
@@ -358,6 +366,6 @@ class Runner:
             cfg=self.cfg, backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
             num_logprobs=k)
         t1 = time.perf_counter()
-        host = HostSample(*(np.asarray(x) for x in result))
+        host = HostSample(*_fetch(tuple(result)))
         self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing

@@ -17,14 +17,9 @@ median over repeats of N back-to-back calls (async dispatch), after compile and 
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import statistics
 import sys
-import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -42,101 +37,27 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from scripts.bench_common import (  # noqa: E402
+    BLOCK,
+    DECODE_SHAPES,
+    HEAD_DIM,
+    KV_HEADS,
+    Q_HEADS,
+    fmt,
+    log,
+    make_pool,
+    parse_args,
+    permuted_tables,
+    rel_err,
+    run_sections,
+    save_report,
+    time_call,
+)
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-DECODE_SHAPES = [(32, 1024), (64, 2048), (128, 2048), (256, 1024), (16, 8192)]
 BUNDLED_BEST = {(32, 1024): 155, (64, 2048): 371, (128, 2048): 619, (256, 1024): 654,
                 (16, 8192): 355}                 # reference figures, us (best of 24 tunings)
 BUNDLED_TUNINGS = {(32, 1024): (4, 16, 4), (64, 2048): (8, 8, 4), (128, 2048): (4, 16, 4),
                    (256, 1024): (8, 4, 8), (16, 8192): (4, 8, 4)}
-
-
-class Clock:
-    def __init__(self, budget_s: float):
-        self.start = time.perf_counter()
-        self.budget = budget_s
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.start)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-CHAIN = 8
-
-
-def chained(fn, n: int = CHAIN):
-    """One executable running `fn` n times, each call's output fed back as the next query:
-    a true dependency (nothing can be hoisted) and no host dispatch between the calls."""
-    def run(q, *rest):
-        for _ in range(n):
-            q = fn(q, *rest)
-        return q
-    return jax.jit(run)
-
-
-def time_call(fn, args, reps: int = 7, target_s: float = 0.03, chain: bool = True) -> float:
-    """Median device seconds per call of `fn(*args)` (`fn` maps q -> output shaped like q):
-    `CHAIN` chained calls per executable, repeated back to back, after compile + warm-up."""
-    n = CHAIN if chain else 1
-    chain = chained(fn) if chain else fn
-    jax.block_until_ready(chain(*args))
-    jax.block_until_ready(chain(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(chain(*args))
-    one = time.perf_counter() - t0
-    iters = int(max(2, min(100, target_s / max(one, 1e-6))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = chain(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters / n)
-    return statistics.median(samples)
-
-
-def rel_err(out, ref) -> float:
-    out = jnp.asarray(out, jnp.float32)
-    ref = jnp.asarray(ref, jnp.float32)
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-
-
-def copy_bandwidth(smoke: bool) -> dict:
-    """Device-to-device copy (bytes read + written), PyTorch memcpy and XLA elementwise."""
-    res = {}
-    n_bytes = (1 << 20) if smoke else (2 << 30)
-    if not smoke:
-        try:
-            import torch
-            a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            samples = []
-            for _ in range(10):
-                start.record()
-                for _ in range(5):
-                    b.copy_(a)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3 / 5)
-            res["torch_copy_tbps"] = 2 * n_bytes / statistics.median(samples) / 1e12
-            del a, b
-            torch.cuda.empty_cache()
-        except Exception as e:  # torch missing or no GPU: report XLA's copy only
-            res["torch_copy_error"] = repr(e)[:200]
-    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: x + jnp.bfloat16(1))
-    t = time_call(f, (x,), chain=False)          # chained x + 1 would fuse into one pass
-    res["xla_elementwise_tbps"] = 2 * n_bytes / t / 1e12
-    del x
-    return res
 
 
 @jax.jit
@@ -152,18 +73,6 @@ def dense_reference(qd, kc, vc):
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("shgqk,skhd->sqhgd", p, vc.astype(jnp.float32), precision="highest")
     return o.reshape(seqs, lq, hq, d)
-
-
-def make_pool(key, num_blocks, dtype=jnp.bfloat16):
-    kk, kv = jax.random.split(key)
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return (jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
-
-
-def permuted_tables(seed, batch, pages_per_seq, num_blocks):
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(np.arange(1, num_blocks))[: batch * pages_per_seq]
-    return jnp.asarray(perm.reshape(batch, pages_per_seq).astype(np.int32))
 
 
 def decode_section(args, clock, results):
@@ -397,10 +306,6 @@ def mixed_check(args, results):
         f"finite {results['mixed_backend_finite']}")
 
 
-def fmt(x, spec="{:.0f}"):
-    return "-" if x is None else spec.format(x)
-
-
 def write_report(args, results) -> str:
     bw = results.get("bandwidth", {})
     copy = bw.get("torch_copy_tbps") or bw.get("xla_elementwise_tbps")
@@ -422,7 +327,7 @@ def write_report(args, results) -> str:
                f"{best['num_stages']}") if best else "-"
         lines.append(
             f"| {r['batch']} | {r['context']} | {fmt(t, '{:.1f}')} | {tun} | "
-            f"{fmt(tb, '{:.2f}')} TB/s | {fmt(tb / copy * 100 if tb and copy else None)}% | "
+            f"{fmt(tb, '{:.2f}')} TB/s | {fmt(tb / copy * 100 if tb and copy else None, '{:.0f}')}% | "
             f"{fmt(bb, '{:.1f}')} | {BUNDLED_BEST.get((r['batch'], r['context']), '-')} | "
             f"{fmt(bb / t if bb and t else None, '{:.2f}')}x | "
             f"{fmt(r.get('contiguous_us'), '{:.1f}')} | "
@@ -446,42 +351,15 @@ def write_report(args, results) -> str:
                       f"{results['mixed_backend_err']:.1e}, all outputs finite: "
                       f"{results['mixed_backend_finite']}"]
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "kernels_table.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, "kernels.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
+    save_report(args.out, "kernels", text, results)
     return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table/json")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
-    parser.add_argument("--quick", action="store_true", help="fewer tunings (near-best ones)")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill")
-    args = parser.parse_args()
-    clock = Clock(args.budget)
-    dev = jax.devices()[0]
-    results = {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)),
-               "decode": [], "prefill": []}
-    log(f"JAX {jax.__version__} on {results['device']}")
-    results["bandwidth"] = copy_bandwidth(args.smoke)
-    log(f"copy bandwidth: {results['bandwidth']}")
-    for name, section in (("mixed", lambda: mixed_check(args, results)),
-                          ("decode", lambda: decode_section(args, clock, results)),
-                          ("prefill", lambda: prefill_section(args, clock, results))):
-        if name in args.skip.split(","):
-            continue
-        try:
-            section()
-        except Exception:
-            log(f"section {name} FAILED:\n{traceback.format_exc()[-2000:]}")
-    text = write_report(args, results)
-    log("\n" + text)
-    log(f"total {time.perf_counter() - clock.start:.0f} s")
+    args = parse_args(__doc__, budget_s=420.0, quick_help="fewer tunings (near-best ones)",
+                      sections="decode,prefill")
+    run_sections(args, [("mixed", lambda a, _clock, r: mixed_check(a, r)),
+                        ("decode", decode_section), ("prefill", prefill_section)], write_report)
 
 
 if __name__ == "__main__":

@@ -18,22 +18,18 @@ Three sections, one run (write to `--out`, default `$OUT`):
    with the bf16-page run: relative L2 error, max |error|, mean KL, top-1 agreement.
 
 Timing: median over repeats of N back-to-back calls chained in one executable (each
-call's output is the next call's query), after compile and warm-up; as scripts/bench_kernels.py.
+call's output is the next call's query), after compile and warm-up (scripts/bench_common.py).
 
     PYTHONPATH=. python3 scripts/bench_kv_quant.py --out results/bench_kv_quant
     PYTHONPATH=. python3 scripts/bench_kv_quant.py --smoke      # tiny shapes, CPU interpret
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import os
-import statistics
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -52,96 +48,27 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention_reference,
 )
 from paxkv.cache import quant  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    BLOCK,
+    DECODE_SHAPES,
+    HEAD_DIM,
+    KV_HEADS,
+    Q_HEADS,
+    fmt,
+    log,
+    make_pool,
+    parse_args,
+    permuted_tables,
+    rel_err,
+    run_sections,
+    save_report,
+    time_call,
+)
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-DECODE_SHAPES = [(32, 1024), (64, 2048), (128, 2048), (256, 1024), (16, 8192)]
 # paxkv's best bf16 tuning per shape (results/kernels.md): ppcb, splits, warps, stages
 BF16_BEST = {(32, 1024): (8, 4, 4, 2), (64, 2048): (8, 2, 4, 2), (128, 2048): (4, 1, 4, 3),
              (256, 1024): (4, 1, 4, 3), (16, 8192): (8, 8, 4, 2)}
 FORMATS = ("fp8", "fp8_e5m2", "int8")
-CHAIN = 8
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-class Clock:
-    def __init__(self, budget_s: float):
-        self.start = time.perf_counter()
-        self.budget = budget_s
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.start)
-
-
-def time_call(fn, args, reps: int = 7, target_s: float = 0.03, chain: bool = True) -> float:
-    """Median seconds per call of `fn(*args)` (`fn` maps q -> an output shaped like q)."""
-    n = CHAIN if chain else 1
-
-    def run(q, *rest):
-        for _ in range(n):
-            q = fn(q, *rest)
-        return q
-    f = jax.jit(run) if chain else fn
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = time.perf_counter() - t0
-    iters = int(max(2, min(100, target_s / max(one, 1e-6))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters / n)
-    return statistics.median(samples)
-
-
-def rel_err(out, ref) -> float:
-    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-
-
-def copy_bandwidth(smoke: bool) -> dict:
-    """Device-to-device copy rate (bytes read + written): PyTorch memcpy and XLA x + 1."""
-    res = {}
-    n_bytes = (1 << 20) if smoke else (2 << 30)
-    if not smoke:
-        try:
-            import torch
-            a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            samples = []
-            for _ in range(10):
-                start.record()
-                for _ in range(5):
-                    b.copy_(a)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3 / 5)
-            res["torch_copy_tbps"] = 2 * n_bytes / statistics.median(samples) / 1e12
-            del a, b
-            torch.cuda.empty_cache()
-        except Exception as e:  # no torch / no GPU: XLA's figure only
-            res["torch_copy_error"] = repr(e)[:200]
-    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
-    res["xla_elementwise_tbps"] = 2 * n_bytes / time_call(jax.jit(lambda x: x + jnp.bfloat16(1)),
-                                                          (x,), chain=False) / 1e12
-    return res
-
-
-def permuted_tables(seed: int, batch: int, pages: int, num_blocks: int) -> jax.Array:
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(np.arange(1, num_blocks))[: batch * pages]
-    return jnp.asarray(perm.reshape(batch, pages).astype(np.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("name",))
@@ -166,9 +93,7 @@ def decode_section(args, clock, results):
         pages = ctx // BLOCK
         num_blocks = batch * pages + 1
         key = jax.random.key(100 + shape_i)
-        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        k = jax.random.normal(key, shape, jnp.bfloat16)
-        v = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+        k, v = make_pool(key, num_blocks)
         q = jax.random.normal(jax.random.fold_in(key, 7), (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
         tables = permuted_tables(shape_i, batch, pages, num_blocks)
         lens = jnp.full((batch,), ctx, jnp.int32)
@@ -233,9 +158,7 @@ def prefill_section(args, clock, results):
         pages = ctx // BLOCK
         num_blocks = seqs * pages + 1
         key = jax.random.key(300 + wi)
-        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        k = jax.random.normal(key, shape, jnp.bfloat16)
-        v = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+        k, v = make_pool(key, num_blocks)
         tables = permuted_tables(50 + wi, seqs, pages, num_blocks)
         q = jax.random.normal(jax.random.fold_in(key, 3), (seqs * q_len, Q_HEADS, HEAD_DIM),
                               jnp.bfloat16)
@@ -360,10 +283,6 @@ def model_section(args, clock, results):
 
 
 # ---- report ----------------------------------------------------------------------------------
-def fmt(x, spec="{:.1f}"):
-    return "-" if x is None else spec.format(x)
-
-
 def write_report(args, results) -> str:
     bw = results.get("bandwidth", {})
     copy = bw.get("torch_copy_tbps") or bw.get("xla_elementwise_tbps")
@@ -410,42 +329,15 @@ def write_report(args, results) -> str:
                 lines.append(f"| {phase} | {name} | {s['rel_l2']:.2e} | {s['max_abs']:.3f} | "
                              f"{s['kl']:.2e} | {100 * s['top1_agreement']:.2f}% |")
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "kv_quant_table.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, "kv_quant.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
+    save_report(args.out, "kv_quant", text, results)
     return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table/json")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
-    parser.add_argument("--quick", action="store_true", help="8-bit pages at the bf16 tuning only")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: "
-                        "decode,prefill,model")
-    args = parser.parse_args()
-    clock = Clock(args.budget)
-    dev = jax.devices()[0]
-    results = {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)),
-               "decode": [], "prefill": []}
-    log(f"JAX {jax.__version__} on {results['device']}")
-    results["bandwidth"] = copy_bandwidth(args.smoke)
-    log(f"copy bandwidth: {results['bandwidth']}")
-    sections = (("model", model_section), ("decode", decode_section), ("prefill", prefill_section))
-    for name, section in sections:
-        if name in args.skip.split(","):
-            continue
-        try:
-            section(args, clock, results)
-        except Exception:
-            log(f"section {name} FAILED:\n{traceback.format_exc()[-2000:]}")
-    text = write_report(args, results)
-    log("\n" + text)
-    log(f"total {time.perf_counter() - clock.start:.0f} s")
+    args = parse_args(__doc__, budget_s=540.0, quick_help="8-bit pages at the bf16 tuning only",
+                      sections="decode,prefill,model")
+    run_sections(args, [("model", model_section), ("decode", decode_section),
+                        ("prefill", prefill_section)], write_report)
 
 
 if __name__ == "__main__":

@@ -66,34 +66,19 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     qk_scale = scale * LOG2E
 
     def body(i, carry):
-        acc, m, l = carry
         page0 = first_page + i * pages_per_compute_block
         slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
         valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
-        k = paging.load_tokens(k_ref, slots, valid, head_dim).astype(compute_dtype)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)
-        if quantized:
-            logits = logits * paging.load_scales(ks_ref, slots, valid)[None, :]
+        logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision)
         logits = jnp.where(valid[None, :], logits * qk_scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))   # finite: every step has a token
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(logits - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        if quantized:
-            p = p * paging.load_scales(vs_ref, slots, valid)[None, :]
-        v = paging.load_tokens(v_ref, slots, valid, head_dim).astype(compute_dtype)
-        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l
+        # every step has a token, so the running max is finite: no empty-row guard
+        return paging.softmax_step(carry, logits, v_ref, vs_ref, slots, valid, compute_dtype,
+                                   precision, guard_empty_rows=False)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, num_iters, body, init)
+    acc, m, l = lax.fori_loop(0, num_iters, body, paging.init_softmax_state(rows, head_dim))
 
     has_keys = l > 0
-    out = acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]
+    out = paging.normalize(acc, l)
     out_rows = h * group + r                            # distinct; masked past the group
     row_mask = r < group
     o_ref = out_refs[0]

@@ -59,3 +59,52 @@ def load_scales(ref, slots: jax.Array, valid: jax.Array | None) -> jax.Array:
 def dot_precision(dtype) -> jax.lax.Precision | None:
     """fp32 operands get exact (IEEE) products on the GPU; bf16/fp16 use the default."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def init_softmax_state(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Empty online-softmax state: output accumulator, running max (base 2), running sum."""
+    return (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def key_logits(q: jax.Array, k_ref, ks_ref, slots: jax.Array, valid: jax.Array | None,
+               precision) -> jax.Array:
+    """fp32 `q @ k.T` `[rows, len(slots)]` for the gathered key rows, dequantized by their
+    per-token scales when `ks_ref` is given (the scale factors out of the dot)."""
+    k = load_tokens(k_ref, slots, valid, q.shape[-1]).astype(q.dtype)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    if ks_ref is not None:
+        s = s * load_scales(ks_ref, slots, valid)[None, :]
+    return s
+
+
+def softmax_step(carry, s: jax.Array, v_ref, vs_ref, slots: jax.Array,
+                 valid: jax.Array | None, compute_dtype, precision, *,
+                 guard_empty_rows: bool):
+    """Fold one key block into the online-softmax state `(acc, m, l)` (base 2).
+
+    `s` holds the block's logits, already scaled by `scale * log2(e)` and -inf where masked.
+    With `guard_empty_rows`, a row that has seen no visible key yet (running max -inf) is
+    shifted by 0 instead of -inf, so it stays exactly zero rather than NaN; callers whose
+    every block has a visible key in every row leave the guard off.
+    """
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard_empty_rows else m_new
+    alpha = jnp.exp2(m - shift)
+    p = jnp.exp2(s - shift[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    if vs_ref is not None:
+        p = p * load_scales(vs_ref, slots, valid)[None, :]
+    v = load_tokens(v_ref, slots, valid, acc.shape[-1]).astype(compute_dtype)
+    pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l
+
+
+def normalize(acc: jax.Array, l: jax.Array) -> jax.Array:
+    """Final output `acc / l`; rows that saw no key (l == 0) are 0, not NaN."""
+    has_keys = l > 0
+    return acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]

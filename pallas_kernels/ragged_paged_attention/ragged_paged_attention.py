@@ -84,40 +84,23 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
         n_all = _cdiv(kv_end, block_k)
 
         def step(kb, carry, masked: bool):
-            acc, m, l = carry
             page0 = kb * pages_per_compute_block
             slots = paging.token_slots(table_ref, seq, page0, block_k, block_size)
             k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
             in_range = (k_pos < kv_end) if masked else None
-            k = paging.load_tokens(k_ref, slots, in_range, head_dim).astype(compute_dtype)
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32)
-            if quantized:
-                s = s * paging.load_scales(ks_ref, slots, in_range)[None, :]
-            s = s * qk_scale
+            s = paging.key_logits(q, k_ref, ks_ref, slots, in_range, precision) * qk_scale
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
                 s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows that see nothing yet
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s - m_safe[:, None])
-            l = l * alpha + jnp.sum(p, axis=1)
-            if quantized:
-                p = p * paging.load_scales(vs_ref, slots, in_range)[None, :]
-            v = paging.load_tokens(v_ref, slots, in_range, head_dim).astype(compute_dtype)
-            pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=precision, preferred_element_type=jnp.float32)
-            return acc * alpha[:, None] + pv, m_new, l
+            # rows of the causal diagonal may see nothing yet: guard them
+            return paging.softmax_step(carry, s, v_ref, vs_ref, slots, in_range, compute_dtype,
+                                       precision, guard_empty_rows=True)
 
-        init = (jnp.zeros((rows, head_dim), jnp.float32),
-                jnp.full((rows,), -jnp.inf, jnp.float32),
-                jnp.zeros((rows,), jnp.float32))
+        init = paging.init_softmax_state(rows, head_dim)
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
         acc, _, l = lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), carry)
 
-        has_keys = l > 0
-        out = acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]
+        out = paging.normalize(acc, l)
         plgpu.store(o_ref.at[tok[:, None], head[:, None], cols], out.astype(o_ref.dtype),
                     mask=jnp.broadcast_to(row_valid[:, None], (rows, head_dim)))
 

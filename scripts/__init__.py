@@ -1,0 +1,1 @@
+"""Command-line programs: benchmarks, training and data preparation (run as files)."""

@@ -1,0 +1,178 @@
+"""What the kernel benchmarks share: the reference figures' shapes, timing, test data, and
+the run scaffolding (flags, time budget, copy bandwidth, section loop, report files).
+
+Timing: median over repeats of N back-to-back calls chained in one executable (each call's
+output is the next call's query), after compile and warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from typing import Callable
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+# The reference figures' decode shapes: 32 query / 8 KV heads, head_dim 128, block 16.
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DECODE_SHAPES = [(32, 1024), (64, 2048), (128, 2048), (256, 1024), (16, 8192)]
+CHAIN = 8
+
+
+class Clock:
+    """Seconds left of the run's time budget."""
+
+    def __init__(self, budget_s: float):
+        self.start = time.perf_counter()
+        self.budget = budget_s
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def chained(fn: Callable, n: int = CHAIN) -> Callable:
+    """One executable running `fn` n times, each call's output fed back as the next query:
+    a true dependency (nothing can be hoisted) and no host dispatch between the calls."""
+    def run(q, *rest):
+        for _ in range(n):
+            q = fn(q, *rest)
+        return q
+    return jax.jit(run)
+
+
+def time_call(fn: Callable, args: tuple, reps: int = 7, target_s: float = 0.03,
+              chain: bool = True) -> float:
+    """Median device seconds per call of `fn(*args)` (`fn` maps q -> output shaped like q):
+    `CHAIN` chained calls per executable, repeated back to back, after compile + warm-up."""
+    n = CHAIN if chain else 1
+    f = chained(fn) if chain else fn
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = time.perf_counter() - t0
+    iters = int(max(2, min(100, target_s / max(one, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters / n)
+    return statistics.median(samples)
+
+
+def rel_err(out, ref) -> float:
+    """Relative L2 error of `out` against `ref`, in float32."""
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def copy_bandwidth(smoke: bool) -> dict:
+    """Device-to-device copy (bytes read + written), PyTorch memcpy and XLA elementwise."""
+    res = {}
+    n_bytes = (1 << 20) if smoke else (2 << 30)
+    if not smoke:
+        try:
+            import torch
+            a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            samples = []
+            for _ in range(10):
+                start.record()
+                for _ in range(5):
+                    b.copy_(a)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / 5)
+            res["torch_copy_tbps"] = 2 * n_bytes / statistics.median(samples) / 1e12
+            del a, b
+            torch.cuda.empty_cache()
+        except Exception as e:  # torch missing or no GPU: report XLA's copy only
+            res["torch_copy_error"] = repr(e)[:200]
+    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.bfloat16(1))
+    t = time_call(f, (x,), chain=False)          # chained x + 1 would fuse into one pass
+    res["xla_elementwise_tbps"] = 2 * n_bytes / t / 1e12
+    del x
+    return res
+
+
+def make_pool(key: jax.Array, num_blocks: int, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """Random K and V pages `[num_blocks, BLOCK, KV_HEADS, HEAD_DIM]`."""
+    kk, kv = jax.random.split(key)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return (jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
+
+
+def permuted_tables(seed: int, batch: int, pages_per_seq: int, num_blocks: int) -> jax.Array:
+    """Block tables `[batch, pages_per_seq]` over randomly permuted blocks (never block 0)."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(np.arange(1, num_blocks))[: batch * pages_per_seq]
+    return jnp.asarray(perm.reshape(batch, pages_per_seq).astype(np.int32))
+
+
+def fmt(x, spec: str = "{:.1f}") -> str:
+    """A table cell: `spec` of x, or "-" when there is no figure."""
+    return "-" if x is None else spec.format(x)
+
+
+def parse_args(doc: str, budget_s: float, quick_help: str, sections: str) -> argparse.Namespace:
+    """The flags every kernel benchmark takes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the table/json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    parser.add_argument("--budget", type=float, default=budget_s, help="seconds for the whole run")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--skip", default="", help=f"comma list of sections to skip: {sections}")
+    return parser.parse_args()
+
+
+def run_sections(args: argparse.Namespace,
+                 sections: list[tuple[str, Callable[[argparse.Namespace, Clock, dict], None]]],
+                 write_report: Callable[[argparse.Namespace, dict], str]) -> None:
+    """Measures the copy bandwidth, then runs each section not in `--skip` within the time
+    budget (a failing section is logged, not fatal), then writes and prints the report."""
+    clock = Clock(args.budget)
+    dev = jax.devices()[0]
+    results = {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)),
+               "decode": [], "prefill": []}
+    log(f"JAX {jax.__version__} on {results['device']}")
+    results["bandwidth"] = copy_bandwidth(args.smoke)
+    log(f"copy bandwidth: {results['bandwidth']}")
+    for name, section in sections:
+        if name in args.skip.split(","):
+            continue
+        try:
+            section(args, clock, results)
+        except Exception:
+            log(f"section {name} FAILED:\n{traceback.format_exc()[-2000:]}")
+    text = write_report(args, results)
+    log("\n" + text)
+    log(f"total {time.perf_counter() - clock.start:.0f} s")
+
+
+def save_report(out_dir: str | None, stem: str, text: str, results: dict) -> None:
+    """Writes the table to OUT_DIR/STEM_table.md and the results to OUT_DIR/STEM.json."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}_table.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
