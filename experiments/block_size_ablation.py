@@ -130,28 +130,21 @@ def _tables(rows: list[dict[str, Any]], s: configs.BlockSizeSettings, skipped: l
 
 def main(argv: list[str]) -> None:
     del argv
-    s = configs.get(NAME, FLAGS.setting)
-    if FLAGS.time_budget_s is not None:
-        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    s = serving.settings_from_flags(NAME)
     if FLAGS.block_sizes:
         s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
     rows, skipped = sweep(s)
     table, notes = _tables(rows, s, skipped)
     traces = {t: workloads.summarize(serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len,
                                                         s.max_output_len)) for t, n in s.traces}
-    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
-    paths = common.write_results(
-        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+    serving.write_serving_results(
+        NAME, s,
         title="Block size: throughput and latency at a fixed KV pool (paper Fig. 18b)",
-        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
-        settings=dataclasses.asdict(s),
         results={"runs": rows, "skipped": skipped, "traces": traces,
                  "best": {t: dict(zip(("highest", "near_best"), best_sizes(rows, t)))
                           for t, _ in s.traces if any(r["trace"] == t for r in rows)},
                  "paper": {"block_size_best": common.PAPER["block_size_best"]}},
         table=table, notes=notes, figure=_fig(rows, s))
-    print(table)
-    print("wrote", ", ".join(paths.values()))
 
 
 if __name__ == "__main__":

@@ -148,27 +148,20 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
 
 def main(argv: list[str]) -> None:
     del argv
-    s = configs.get(NAME, FLAGS.setting)
-    if FLAGS.time_budget_s is not None:
-        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    s = serving.settings_from_flags(NAME)
     if FLAGS.block_sizes:
         s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
     rows, skipped = sweep(s)
     table, notes = _tables(rows, s, skipped)
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
-    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
-    paths = common.write_results(
-        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+    serving.write_serving_results(
+        NAME, s,
         title="Preemption: recomputation against swapping (paper Fig. 19)",
-        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
-        settings=dataclasses.asdict(s),
         results={"runs": rows, "skipped": skipped, "trace": workloads.summarize(trace),
                  "recompute_over_swap": {bs: rc["wall_s"] / sw["wall_s"] for bs, rc, sw in pairs(rows)},
                  "paper": {"recompute_max_overhead_vs_swap": common.PAPER["recompute_max_overhead_vs_swap"]}},
         table=table, notes=notes, figure=_fig(rows, s))
-    print(table)
-    print("wrote", ", ".join(paths.values()))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from absl import flags
 
 from configs import experiments as configs
+from experiments import common
 from paxkv.workloads import Request
 
 # Weights are the same for every engine of an experiment: built once, shared by all LLMs.
@@ -334,6 +336,30 @@ def engine_hardware(model: str) -> str:
     what = {"tiny": "the embedded tiny model (4 layers, 256 wide)",
             "llama3-8b": "Llama-3-8B shapes with random bf16 weights"}.get(model, model)
     return f"{what} on {where}"
+
+
+def settings_from_flags(name: str) -> Any:
+    """Experiment `name`'s settings for `--setting`, with `--time_budget_s` applied (<= 0:
+    no budget); the flags are `common.define_serving_flags()`'s."""
+    f = flags.FLAGS
+    s = configs.get(name, f.setting)
+    if f.time_budget_s is not None:
+        s = dataclasses.replace(s, time_budget_s=f.time_budget_s if f.time_budget_s > 0 else None)
+    return s
+
+
+def write_serving_results(name: str, s: Any, *, title: str, results: dict[str, Any], table: str,
+                          notes: str, figure: Any) -> None:
+    """Writes a serving experiment's files under `--out_dir` with the command, hardware and
+    settings, then prints the table. The GPU setting writes `<name>_gpu.*`, so that CPU and
+    GPU results live side by side."""
+    f = flags.FLAGS
+    paths = common.write_results(
+        name + ("_gpu" if f.setting == "gpu" else ""), f.out_dir, title=title,
+        command=common.command_line(), hardware=engine_hardware(s.engine.model),
+        settings=dataclasses.asdict(s), results=results, table=table, notes=notes, figure=figure)
+    print(table)
+    print("wrote", ", ".join(paths.values()))
 
 
 # A wall-clock deadline (seconds since the epoch) for a batch of experiments: each sweep's

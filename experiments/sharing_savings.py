@@ -18,7 +18,6 @@ step computes) instead of a W-beam search. Prefix caching is off, so nothing is 
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 from typing import Any, Callable
 
@@ -176,24 +175,17 @@ def _tables(rows: list[dict[str, Any]], s: configs.SharingSettings, skipped: lis
 
 def main(argv: list[str]) -> None:
     del argv
-    s = configs.get(NAME, FLAGS.setting)
-    if FLAGS.time_budget_s is not None:
-        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    s = serving.settings_from_flags(NAME)
     rows, skipped = sweep(s)
     table, notes = _tables(rows, s, skipped)
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
-    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
-    paths = common.write_results(
-        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+    serving.write_serving_results(
+        NAME, s,
         title="Sharing KV blocks: parallel sampling and beam search (paper Fig. 15)",
-        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
-        settings=dataclasses.asdict(s),
         results={"runs": rows, "skipped": skipped, "trace": workloads.summarize(trace),
                  "paper": common.PAPER["sharing_savings"]},
         table=table, notes=notes, figure=_fig(rows))
-    print(table)
-    print("wrote", ", ".join(paths.values()))
 
 
 if __name__ == "__main__":

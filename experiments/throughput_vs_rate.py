@@ -233,25 +233,18 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
 
 def main(argv: list[str]) -> None:
     del argv
-    s = configs.get(NAME, FLAGS.setting)
-    if FLAGS.time_budget_s is not None:
-        s = dataclasses.replace(s, time_budget_s=FLAGS.time_budget_s if FLAGS.time_budget_s > 0 else None)
+    s = serving.settings_from_flags(NAME)
     if FLAGS.rates:
         s = dataclasses.replace(s, rates=tuple(float(r) for r in FLAGS.rates))
     rows, skipped, warm = sweep(s)
     an = analyse(rows, s)
     table, notes = _tables(rows, an, s, skipped, warm)
-    # The GPU setting gets its own files, so that CPU and GPU results live side by side.
-    paths = common.write_results(
-        NAME + ("_gpu" if FLAGS.setting == "gpu" else ""), FLAGS.out_dir,
+    serving.write_serving_results(
+        NAME, s,
         title="Throughput against request rate: continuous paged against static batching (paper Fig. 12)",
-        command=common.command_line(), hardware=serving.engine_hardware(s.engine.model),
-        settings=dataclasses.asdict(s),
         results={"runs": [{k: v for k, v in r.items()} for r in rows], "analysis": an, "skipped": skipped,
                  "warm_up": warm, "paper": {"throughput_gain_vs_orca_ft": common.PAPER["throughput_gain_vs_orca_ft"]}},
         table=table, notes=notes, figure=_fig(rows, an, s))
-    print(table)
-    print("wrote", ", ".join(paths.values()))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,19 @@ import jax.numpy as jnp
 # The reference figures' decode shapes: 32 query / 8 KV heads, head_dim 128, block 16.
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE_SHAPES = [(32, 1024), (64, 2048), (128, 2048), (256, 1024), (16, 8192)]
+# Prefill work: (label, sequences, new tokens each, context after them).
+PREFILL_WORK = [("prompts 8 x 2048", 8, 2048, 2048), ("chunks 8 x 512 over 4096", 8, 512, 4608)]
 CHAIN = 8
+
+
+def decode_shapes(smoke: bool) -> list[tuple[int, int]]:
+    """(batch, context) of each decode case; `smoke`: two tiny ones for CPU interpret mode."""
+    return [(4, 64), (2, 256)] if smoke else DECODE_SHAPES
+
+
+def prefill_work(smoke: bool) -> list[tuple[str, int, int, int]]:
+    """PREFILL_WORK, or two tiny cases (one prompt, one chunk over context) with `smoke`."""
+    return [("prompts", 2, 64, 64), ("chunks", 2, 32, 96)] if smoke else PREFILL_WORK
 
 
 class Clock:
@@ -125,6 +137,34 @@ def permuted_tables(seed: int, batch: int, pages_per_seq: int, num_blocks: int) 
     rng = np.random.default_rng(seed)
     perm = rng.permutation(np.arange(1, num_blocks))[: batch * pages_per_seq]
     return jnp.asarray(perm.reshape(batch, pages_per_seq).astype(np.int32))
+
+
+def decode_inputs(case: int, batch: int, ctx: int):
+    """Random bf16 inputs of decode case `case`: `(q, k, v, tables, lens)`, one query token
+    per sequence, every sequence at the full context, over randomly permuted pages."""
+    pages = ctx // BLOCK
+    num_blocks = batch * pages + 1
+    key = jax.random.key(100 + case)
+    k, v = make_pool(key, num_blocks)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    tables = permuted_tables(case, batch, pages, num_blocks)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    return q, k, v, tables, lens
+
+
+def prefill_inputs(case: int, seqs: int, q_len: int, ctx: int):
+    """Random bf16 inputs of prefill case `case`: `(q, k, v, tables, lens, cu_q_lens)`, the
+    last `q_len` of `ctx` positions of each sequence as new tokens, over permuted pages."""
+    pages = ctx // BLOCK
+    num_blocks = seqs * pages + 1
+    key = jax.random.key(300 + case)
+    k, v = make_pool(key, num_blocks)
+    tables = permuted_tables(50 + case, seqs, pages, num_blocks)
+    q = jax.random.normal(jax.random.fold_in(key, 3), (seqs * q_len, Q_HEADS, HEAD_DIM),
+                          jnp.bfloat16)
+    lens = jnp.full((seqs,), ctx, jnp.int32)
+    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
+    return q, k, v, tables, lens, cu
 
 
 def fmt(x, spec: str = "{:.1f}") -> str:

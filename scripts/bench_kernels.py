@@ -39,15 +39,18 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
 )
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
-    DECODE_SHAPES,
     HEAD_DIM,
     KV_HEADS,
     Q_HEADS,
+    decode_inputs,
+    decode_shapes,
     fmt,
     log,
     make_pool,
     parse_args,
     permuted_tables,
+    prefill_inputs,
+    prefill_work,
     rel_err,
     run_sections,
     save_report,
@@ -76,18 +79,13 @@ def dense_reference(qd, kc, vc):
 
 
 def decode_section(args, clock, results):
-    shapes = [(4, 64), (2, 256)] if args.smoke else DECODE_SHAPES
+    shapes = decode_shapes(args.smoke)
     interpret = args.smoke
     from jax.experimental.pallas.ops.gpu import paged_attention as bundled_mod
     for shape_i, (batch, ctx) in enumerate(shapes):
+        q, k, v, tables, lens = decode_inputs(shape_i, batch, ctx)
         pages = ctx // BLOCK
-        num_blocks = batch * pages + 1
-        key = jax.random.key(100 + shape_i)
-        k, v = make_pool(key, num_blocks)
-        q = jax.random.normal(jax.random.fold_in(key, 7), (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
-        tables = permuted_tables(shape_i, batch, pages, num_blocks)
         contig = jnp.asarray(1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages))
-        lens = jnp.full((batch,), ctx, jnp.int32)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         ref = paged_attention_reference(q, k, v, tables, lens)
         row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "paxkv": [], "bundled": []}
@@ -196,24 +194,13 @@ def decode_section(args, clock, results):
 
 
 def prefill_section(args, clock, results):
-    if args.smoke:
-        work = [("prompts", 2, 64, 64), ("chunks", 2, 32, 96)]
-    else:
-        work = [("prompts 8 x 2048", 8, 2048, 2048), ("chunks 8 x 512 over 4096", 8, 512, 4608)]
     interpret = args.smoke
-    for wi, (name, seqs, q_len, ctx) in enumerate(work):
+    for wi, (name, seqs, q_len, ctx) in enumerate(prefill_work(args.smoke)):
         if clock.left() < 40:
             log("(time budget: skipping prefill)")
             break
-        pages = ctx // BLOCK
-        num_blocks = seqs * pages + 1
-        key = jax.random.key(300 + wi)
-        k, v = make_pool(key, num_blocks)
-        tables = permuted_tables(50 + wi, seqs, pages, num_blocks)
+        q, k, v, tables, lens, cu = prefill_inputs(wi, seqs, q_len, ctx)
         tokens = seqs * q_len
-        q = jax.random.normal(jax.random.fold_in(key, 3), (tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16)
-        lens = jnp.full((seqs,), ctx, jnp.int32)
-        cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
         pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) // 2     # visible (q, k) pairs
         flops = 4 * seqs * Q_HEADS * HEAD_DIM * pairs
         row = {"name": name, "seqs": seqs, "q_len": q_len, "context": ctx, "flops": flops,

@@ -50,15 +50,15 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
 from paxkv.cache import quant  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
-    DECODE_SHAPES,
     HEAD_DIM,
     KV_HEADS,
-    Q_HEADS,
+    decode_inputs,
+    decode_shapes,
     fmt,
     log,
-    make_pool,
     parse_args,
-    permuted_tables,
+    prefill_inputs,
+    prefill_work,
     rel_err,
     run_sections,
     save_report,
@@ -85,18 +85,13 @@ def page_bytes(batch: int, ctx: int, name: str) -> int:
 
 # ---- 1. decode kernel ---------------------------------------------------------------------------
 def decode_section(args, clock, results):
-    shapes = [(4, 64), (2, 256)] if args.smoke else DECODE_SHAPES
+    shapes = decode_shapes(args.smoke)
     for shape_i, (batch, ctx) in enumerate(shapes):
         if clock.left() < 60:
             log("(time budget: skipping remaining decode shapes)")
             break
+        q, k, v, tables, lens = decode_inputs(shape_i, batch, ctx)
         pages = ctx // BLOCK
-        num_blocks = batch * pages + 1
-        key = jax.random.key(100 + shape_i)
-        k, v = make_pool(key, num_blocks)
-        q = jax.random.normal(jax.random.fold_in(key, 7), (batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
-        tables = permuted_tables(shape_i, batch, pages, num_blocks)
-        lens = jnp.full((batch,), ctx, jnp.int32)
         ref_bf16 = paged_attention_reference(q, k, v, tables, lens)
         if (batch, ctx) in BF16_BEST:
             p, s, w, st = BF16_BEST[(batch, ctx)]
@@ -148,22 +143,12 @@ def decode_section(args, clock, results):
 
 # ---- 2. prefill kernel -----------------------------------------------------------------------
 def prefill_section(args, clock, results):
-    work = ([("prompts", 2, 64, 64), ("chunks", 2, 32, 96)] if args.smoke else
-            [("prompts 8 x 2048", 8, 2048, 2048), ("chunks 8 x 512 over 4096", 8, 512, 4608)])
     tuning = dict(block_q=32, pages_per_compute_block=4, num_warps=4, num_stages=3)
-    for wi, (label, seqs, q_len, ctx) in enumerate(work):
+    for wi, (label, seqs, q_len, ctx) in enumerate(prefill_work(args.smoke)):
         if clock.left() < 40:
             log("(time budget: skipping prefill)")
             break
-        pages = ctx // BLOCK
-        num_blocks = seqs * pages + 1
-        key = jax.random.key(300 + wi)
-        k, v = make_pool(key, num_blocks)
-        tables = permuted_tables(50 + wi, seqs, pages, num_blocks)
-        q = jax.random.normal(jax.random.fold_in(key, 3), (seqs * q_len, Q_HEADS, HEAD_DIM),
-                              jnp.bfloat16)
-        lens = jnp.full((seqs,), ctx, jnp.int32)
-        cu = jnp.arange(seqs + 1, dtype=jnp.int32) * q_len
+        q, k, v, tables, lens, cu = prefill_inputs(wi, seqs, q_len, ctx)
         row = {"name": label, "seqs": seqs, "q_len": q_len, "context": ctx, "tuning": tuning,
                "formats": {}}
         log(f"\n== prefill {label}")

@@ -197,14 +197,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     else:
         num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
     batch, num_heads, q_dim = q.shape
-    if q_dim != head_dim:
-        raise ValueError(f"q head_dim {q_dim} != k_pages head_dim {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q_heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
-    if not paging.is_power_of_two(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if not paging.is_power_of_two(block_size):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    paging.check_heads(num_heads, q_dim, num_kv_heads, head_dim, block_size)
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got "
                          f"{block_tables.shape}")
@@ -213,13 +206,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
     if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
         raise ValueError(f"context_lens must be int32 [batch={batch}], got "
                          f"{context_lens.dtype}{list(context_lens.shape)}")
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale must be given together")
-    if k_scale is not None:
-        want = k_pages.shape[:3]
-        if k_scale.shape != want or v_scale.shape != want:
-            raise ValueError(f"k_scale/v_scale must have shape {want}, got {k_scale.shape} "
-                             f"and {v_scale.shape}")
+    paging.check_scales(k_pages, k_scale, v_scale)
     return batch, num_heads, head_dim, num_kv_heads, block_size
 
 

@@ -1,4 +1,5 @@
-"""In-kernel helpers shared by the paged kernels: page -> token slot arithmetic, row gathers.
+"""What the paged kernels share: input checks and, in-kernel, page -> token slot arithmetic,
+row gathers and the online-softmax step.
 
 Both kernels see one layer's pages flattened to tokens, `[num_blocks * block_size, d]` for
 one KV head (the head is squeezed away by the BlockSpec), and read a block of `block_k`
@@ -19,6 +20,30 @@ def is_power_of_two(n: int) -> bool:
 
 def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_heads(num_heads: int, q_dim: int, num_kv_heads: int, head_dim: int,
+                block_size: int) -> None:
+    """Head and page shapes both kernels need (ValueError naming the field otherwise)."""
+    if q_dim != head_dim:
+        raise ValueError(f"q head_dim {q_dim} != k_pages head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q_heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    if not is_power_of_two(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not is_power_of_two(block_size):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def check_scales(k_pages: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None) -> None:
+    """Per-token scales come in pairs, shaped like the pages without `head_dim`."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    if k_scale is not None:
+        want = k_pages.shape[:3]
+        if k_scale.shape != want or v_scale.shape != want:
+            raise ValueError(f"k_scale/v_scale must have shape {want}, got {k_scale.shape} "
+                             f"and {v_scale.shape}")
 
 
 def token_slots(table_ref, row: jax.Array | None, first_page: jax.Array, block_k: int,
