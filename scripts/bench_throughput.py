@@ -61,44 +61,10 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def copy_bandwidth() -> dict[str, float]:
-    """Device copy ceilings measured now: XLA elementwise copy and (if present) torch memcpy."""
-    import jax
-    import jax.numpy as jnp
-    out = {}
-    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 2)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    out["xla_copy_TBps"] = 2 * 2 * n / ts[len(ts) // 2] / 1e12
-    del x
-    try:
-        import torch
-        if torch.cuda.is_available():
-            a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-            b = torch.empty_like(a)
-            b.copy_(a)
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(10):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                b.copy_(a)
-                e.record()
-                torch.cuda.synchronize()
-                ts.append(s.elapsed_time(e) / 1e3)
-            ts.sort()
-            out["torch_memcpy_TBps"] = 2 * 2 * n / ts[len(ts) // 2] / 1e12
-            del a, b
-            torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001 - the ceiling is informative, not essential
-        out["torch_error"] = str(e)[:200]
-    out["ceiling_TBps"] = max(v for k, v in out.items() if k.endswith("TBps"))
+    """The kernel benchmarks' copy-bandwidth measurement, plus the ceiling the figures use."""
+    from scripts.bench_common import copy_bandwidth as measure
+    out = measure(smoke=False)
+    out["ceiling_TBps"] = max(v for k, v in out.items() if k.endswith("tbps"))
     return out
 
 
