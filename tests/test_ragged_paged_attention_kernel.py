@@ -13,17 +13,10 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from kernel_helpers import HEAD_DIM, TOL, rel_err
 from paxkv.model.attention import reference_attention
 from paxkv.model.batch import StepBatch
 
-HEAD_DIM = 32
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def make_case(seed, *, q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens, dtype):
