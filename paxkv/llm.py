@@ -43,7 +43,7 @@ class _Request:
     logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
     forked: bool = False
     aborted: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     beam: Any = None            # BeamState for beam-search requests
     timing: RequestMetrics | None = None
 
@@ -62,10 +62,6 @@ class _Request:
     @property
     def forked_or_single(self) -> bool:
         return self.forked or self.params.best_of == 1
-
-
-def _mix_seed(*parts: int) -> int:
-    return hash(parts) % (2**31 - 1)
 
 
 class LLMEngine:
@@ -222,18 +218,22 @@ class LLMEngine:
         python_extra = 0.0
         changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
         self._aborted_outputs = []
-        host_s = device_s = compile_s = 0.0
+        device_s = compile_s = 0.0
         # Block movement first, in this order, even on a step with nothing to compute.
         self.runner.swap_out(out.blocks_to_swap_out)
         self.runner.swap_in(out.blocks_to_swap_in)
         self.runner.copy_blocks(out.blocks_to_copy)
         k = self._multi_step_count(out)
         if k > 1:
-            host_s, device_s, compile_s, python_extra = self._multi_decode(out, k, changed, only_finished)
+            device_s, compile_s, python_extra = self._multi_decode(out, k, changed, only_finished)
         elif out.chunks:
             items, rows, row_owner = [], [], []
             for i, c in enumerate(out.chunks):
                 seq = c.seq
+                if c.is_prefill:
+                    req = self._owner[seq.seq_id][0]
+                    if req.num_cached_tokens is None:   # its first chunk starts after the hit
+                        req.num_cached_tokens = c.start
                 items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
                                       seq.block_table))
                 if c.needs_sample:
@@ -243,7 +243,7 @@ class LLMEngine:
             t_build = time.perf_counter()
             sample, timing = self.runner.execute(items, rows)
             t_post = time.perf_counter()
-            host_s, device_s, compile_s = timing.host_s, timing.device_s, timing.compile_s
+            device_s, compile_s = timing.device_s, timing.compile_s
             self.scheduler.on_step_done(out)
             self._apply_samples(sample, rows, row_owner, changed, only_finished)
             python_extra = (t_build - t_start - schedule_s) + timing.pack_s + (time.perf_counter() - t_post)
@@ -293,7 +293,7 @@ class LLMEngine:
         return k
 
     def _multi_decode(self, out: Any, k: int, changed: dict[str, RequestOutput],
-                      only_finished: bool) -> tuple[float, float, float, float]:
+                      only_finished: bool) -> tuple[float, float, float]:
         """Run k decode steps in one device call, then replay them on the host in order."""
         from paxkv.runner import WorkItem
         t_reserve = time.perf_counter()
@@ -326,7 +326,7 @@ class LLMEngine:
                 touched[req.request_id] = req
         self._finish_touched(touched, changed, only_finished)
         python_s = (t_build - t_reserve) + timing.pack_s + (time.perf_counter() - t_post)
-        return timing.host_s, timing.device_s, timing.compile_s, python_s
+        return timing.device_s, timing.compile_s, python_s
 
     def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
                        changed: dict[str, RequestOutput], only_finished: bool = False) -> None:
@@ -453,7 +453,7 @@ class LLMEngine:
             for i, c in enumerate(comps):
                 c.index = i
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens, req.timing)
+                             req.num_cached_tokens or 0, req.timing)
 
 
 def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:

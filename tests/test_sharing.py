@@ -138,7 +138,11 @@ def test_prefix_caching_under_eviction_keeps_outputs(checkpoint):
     for caching in (False, True):
         llm = make_llm(checkpoint, enable_prefix_caching=caching, num_gpu_blocks_override=24,
                        max_num_seqs=4)
-        outs[caching] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        results = llm.generate(prompts, sp, use_tqdm=False)
+        outs[caching] = [o.outputs[0].token_ids for o in results]
+        cached = [o.num_cached_tokens for o in results]
+        assert all(c % BS == 0 and c < len(p) for c, p in zip(cached, prompts))
+        assert (sum(cached) > 0) == caching
         summary = llm.metrics.summary()
         if caching:
             assert summary["prefix_cache_hit_rate"] > 0.3
