@@ -511,6 +511,11 @@ class LLM:
         elif params is None:
             from paxkv.model.weights import random_params
             params = random_params(cfg, jax.random.PRNGKey(seed), jdtype)
+        # Serve from the fused weight layout (two matmuls per layer instead of five); the
+        # separate tensors are dropped here so only one copy of the weights stays resident.
+        from paxkv.model.fusion import fuse_projections
+        params = fuse_projections(params)
+        loaded = None  # noqa: F841 - releases the checkpoint's separate tensors
         if tokenizer == "auto":
             from paxkv.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(path) if path is not None else None

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxkv import transfer
 from paxkv.cache import kv_pool as kvp
 from paxkv.config import ModelConfig
 from paxkv.model.batch import StepBatch
-from paxkv.sampler import SampleResult, SamplingTensors, sample
+from paxkv.sampler import SamplingTensors, sample
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 
@@ -82,27 +83,39 @@ class StepTiming:
     compiled: bool = False
 
 
-def _step_fn(params: Any, kv_pool: kvp.KVPool, batch: StepBatch, st: SamplingTensors, *,
+def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors]:
+    arrays = transfer.unpack_device(buf, spec)
+    n = len(StepBatch._fields)
+    return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:])
+
+
+def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
              cfg: ModelConfig, backend: str, decode_only: bool, all_greedy: bool,
-             num_logprobs: int) -> tuple[SampleResult, kvp.KVPool]:
+             num_logprobs: int) -> tuple[jax.Array, kvp.KVPool]:
+    """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
+    tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`)."""
     from paxkv.model.llama import forward
+    batch, st = _unpack_inputs(inputs, spec)
     logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only)
-    return sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_pool
+    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs)
+    return transfer.pack_device(tuple(result)), kv_pool
 
 
-_jit_step = jax.jit(_step_fn, static_argnames=("cfg", "backend", "decode_only", "all_greedy",
+_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
                                                "num_logprobs"), donate_argnums=(1,))
 
 
-def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, batch: StepBatch, st: SamplingTensors, *,
+def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
                      cfg: ModelConfig, backend: str, all_greedy: bool,
-                     num_steps: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+                     num_steps: int) -> tuple[jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
     Row i of the batch is sequence i (one token each) and sampling row i samples it. Padding
-    rows (context 0) stay padding: they write to the null block and read nothing.
+    rows (context 0) stay padding: they write to the null block and read nothing. Returns
+    tokens and logprobs `[num_steps, rows]` packed in one buffer.
     """
     from paxkv.model.llama import forward
+    batch, st = _unpack_inputs(inputs, spec)
     num_seqs = batch.context_lens.shape[0]
     block_size = kv_pool.block_size
     valid = batch.context_lens > 0
@@ -124,10 +137,10 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, batch: StepBatch, st: Sam
     init = (kv_pool, batch.token_ids, batch.positions, batch.context_lens,
             jnp.zeros((num_steps, num_seqs), jnp.int32), jnp.zeros((num_steps, num_seqs), jnp.float32))
     kv_pool, _, _, _, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
-    return out_tok, out_lp, kv_pool
+    return transfer.pack_device((out_tok, out_lp)), kv_pool
 
 
-_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("cfg", "backend", "all_greedy",
+_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "all_greedy",
                                                                "num_steps"), donate_argnums=(1,))
 
 
@@ -164,11 +177,10 @@ def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, blo
     return max(0, stats.get("peak_bytes_in_use", 0) - before - pool_bytes)
 
 
-def _fetch(arrays: tuple[jax.Array, ...]) -> list[np.ndarray]:
-    """Device results -> numpy, with every transfer queued before the first wait."""
-    for x in arrays:
-        x.copy_to_host_async()
-    return [np.asarray(x) for x in arrays]
+def _pack_inputs(batch: StepBatch, st: SamplingTensors) -> tuple[jax.Array, transfer.Spec]:
+    """A step's host arrays -> one device buffer (one transfer) and its static spec."""
+    buf, spec = transfer.pack_host(tuple(batch) + tuple(st))
+    return jax.device_put(buf), spec
 
 
 class Runner:
@@ -341,11 +353,13 @@ class Runner:
         timing.pack_s = time.perf_counter() - t0
         key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
         new = key not in self.compiled_keys
-        out_tok, out_lp, self.kv_pool = _jit_multi_decode(
-            self.params, self.kv_pool, jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, st),
-            cfg=self.cfg, backend=self.backend, all_greedy=all_greedy, num_steps=num_steps)
+        inputs, spec = _pack_inputs(batch, st)
+        out, self.kv_pool = _jit_multi_decode(
+            self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
+            all_greedy=all_greedy, num_steps=num_steps)
         t1 = time.perf_counter()
-        out_tok, out_lp = _fetch((out_tok, out_lp))
+        shape = (num_steps, num_seqs)
+        out_tok, out_lp = transfer.unpack_host(np.asarray(out), ((shape, "int32"), (shape, "float32")))
         host = HostSample(out_tok[:, :n], out_lp[:, :n],
                           np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
         self._account(key, new, timing, t0, t1, time.perf_counter())
@@ -361,11 +375,13 @@ class Runner:
         key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
                st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
         new = key not in self.compiled_keys
-        result, self.kv_pool = _jit_step(
-            self.params, self.kv_pool, jax.tree.map(jnp.asarray, batch), jax.tree.map(jnp.asarray, st),
-            cfg=self.cfg, backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
-            num_logprobs=k)
+        inputs, spec = _pack_inputs(batch, st)
+        out, self.kv_pool = _jit_step(
+            self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
+            decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k)
         t1 = time.perf_counter()
-        host = HostSample(*_fetch(tuple(result)))
+        r = st.seeds.shape[0]
+        host = HostSample(*transfer.unpack_host(np.asarray(out), (
+            ((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))))
         self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from paxkv.config import ModelConfig, from_hf_config
+from paxkv.model.fusion import ATTN_PARTS, MLP_PARTS, is_fused, projection
 from paxkv.model.llama import init_params
 
 Params = Any
@@ -304,10 +305,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
 
 
 def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Array]]:
-    """(HF name, HF-layout array) for every tensor, one at a time."""
+    """(HF name, HF-layout array) for every tensor, one at a time (either weight layout:
+    fused projections are sliced apart one tensor at a time)."""
+    fused = is_fused(params)
     for spec in tensor_specs(cfg):
         try:
-            x = _get(params, spec.path)
+            if fused and spec.path[-2] in ATTN_PARTS + MLP_PARTS:
+                x = projection(params[spec.path[0]], spec.path[1], spec.path[2], cfg)
+            else:
+                x = _get(params, spec.path)
         except KeyError as e:
             raise ValueError(f"params is missing {'/'.join(spec.path)} (HF {spec.hf_name!r})") from e
         expected = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
