@@ -6,9 +6,11 @@ Three sections, one run (write to `--out`, default `$OUT`):
    head_dim 128, block 16, pages randomly permuted, every sequence at the full context).
    bf16 pages at paxkv's best bf16 tuning (results/kernels.md), then fp8 (e4m3), fp8_e5m2
    and int8 pages with per-(token, head) bf16 scales (`paxkv.cache.quant.quantize`, as the
-   pool stores them) at that tuning and a few neighbours. Each variant is checked against
-   the jnp reference on the same (dequantized) pages before it is timed. The floor is
-   bytes read (codes + scales) / the copy bandwidth measured in the same run.
+   pool stores them): fp8 and int8 at that tuning and up to five neighbours with more pages
+   per step, deeper pipelines and 8 warps (`quant_tunings`), fp8_e5m2 at fp8's best
+   (`--quick`: the bf16 tuning only). Each variant is checked against the jnp reference
+   on the same (dequantized) pages before it is timed. The floor is bytes read (codes +
+   scales) / the copy bandwidth measured in the same run.
 2. Prefill kernel: 8 x 2048-token prompts and 8 x 512-token chunks over 4096 cached tokens,
    bf16 against 8-bit pages (the ragged kernel reads the same scales).
 3. Llama-3-8B-shaped model, random bf16 weights: 8 sequences of 1024 random tokens by
@@ -69,6 +71,10 @@ from scripts.bench_common import (  # noqa: E402
 BF16_BEST = {(32, 1024): (8, 4, 4, 2), (64, 2048): (8, 2, 4, 2), (128, 2048): (4, 1, 4, 3),
              (256, 1024): (4, 1, 4, 3), (16, 8192): (8, 8, 4, 2)}
 FORMATS = ("fp8", "fp8_e5m2", "int8")
+# 8-bit sweep limits: tokens gathered per loop step, and K+V tile bytes the pipeline stages
+# keep in shared memory (8-bit tiles; an H200 SM has 227 KiB)
+MAX_STEP_TOKENS = 256
+STAGE_SMEM_BUDGET = 192 * 1024
 
 
 @functools.partial(jax.jit, static_argnames=("name",))
@@ -84,6 +90,38 @@ def page_bytes(batch: int, ctx: int, name: str) -> int:
 
 
 # ---- 1. decode kernel ---------------------------------------------------------------------------
+def quant_tunings(base: dict, pages: int) -> list[dict]:
+    """Tunings tried for 8-bit pages, most promising first. A page carries half the bytes of
+    a bf16 page, so each loop step moves half as much: after the bf16 tuning come 2x and 4x
+    the pages per step and one more pipeline stage, then 8 warps on the largest step.
+
+    A step stays within MAX_STEP_TOKENS and within a split's pages (so the split count is
+    unchanged); stages are capped at the loop's steps + 1 (deeper prefetches nothing more)
+    and at what STAGE_SMEM_BUDGET holds. Duplicates after the caps are dropped.
+    """
+    p, st = base["pages_per_compute_block"], base["num_stages"]
+    per_split = -(-pages // base["num_splits"])
+
+    def variant(ppcb: int, stages: int) -> dict | None:
+        if ppcb * BLOCK > MAX_STEP_TOKENS or ppcb > per_split:
+            return None
+        stages = min(stages, -(-per_split // ppcb) + 1)
+        while stages > 2 and stages * 2 * ppcb * BLOCK * HEAD_DIM > STAGE_SMEM_BUDGET:
+            stages -= 1
+        return {**base, "pages_per_compute_block": ppcb, "num_stages": stages}
+
+    tunings = [base]
+    for cand in (variant(2 * p, st), variant(p, st + 1), variant(2 * p, st + 1),
+                 variant(4 * p, st)):
+        if cand is not None and cand not in tunings:
+            tunings.append(cand)
+    largest = max(tunings, key=lambda t: (t["pages_per_compute_block"], t["num_stages"]))
+    wide = {**largest, "num_warps": 8}
+    if wide not in tunings:
+        tunings.append(wide)
+    return tunings
+
+
 def decode_section(args, clock, results):
     shapes = decode_shapes(args.smoke)
     for shape_i, (batch, ctx) in enumerate(shapes):
@@ -100,7 +138,8 @@ def decode_section(args, clock, results):
         base = dict(pages_per_compute_block=p, num_splits=s, num_warps=w, num_stages=st)
         row = {"batch": batch, "context": ctx, "bf16_tuning": base, "formats": {}}
         log(f"\n== decode B={batch} ctx={ctx}")
-        for name in ("bfloat16",) + FORMATS:
+        # fp8 before fp8_e5m2: e5m2 (same bytes, same kernel) is timed at fp8's best tuning
+        for name in ("bfloat16", "fp8", "int8", "fp8_e5m2"):
             if clock.left() < 45:
                 break
             if name == "bfloat16":
@@ -111,9 +150,14 @@ def decode_section(args, clock, results):
                 kk, ks = quantize_pages(k, name)
                 vv, vs = quantize_pages(v, name)
                 ref = paged_attention_reference(q, kk, vv, tables, lens, ks, vs)
-                tunings = [base] if args.quick else [
-                    base, {**base, "pages_per_compute_block": 2 * p},
-                    {**base, "num_warps": 8}, {**base, "num_stages": 3 if st == 2 else 2}]
+                if args.quick:
+                    tunings = [base]
+                elif name == "fp8_e5m2":
+                    fp8_best = row["formats"].get("fp8", {}).get("best")
+                    tunings = [{key: fp8_best[key] for key in base} if fp8_best else base]
+                else:
+                    # smoke (CPU interpret) runs only the first two, to exercise the path
+                    tunings = quant_tunings(base, pages)[:2 if args.smoke else None]
             nbytes = page_bytes(batch, ctx, name)
             fr = {"bytes": nbytes, "runs": []}
             for tuning in tunings:
@@ -137,6 +181,8 @@ def decode_section(args, clock, results):
                     fr["best"] = {**tuning, "us": t * 1e6, "err_vs_bf16_pages": qerr}
             row["formats"][name] = fr
             del kk, vv, ks, vs
+        row["formats"] = {n: row["formats"][n] for n in ("bfloat16",) + FORMATS
+                          if n in row["formats"]}
         results["decode"].append(row)
         write_report(args, results)
 

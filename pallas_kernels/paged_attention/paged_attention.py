@@ -16,8 +16,12 @@ Why it is shaped this way:
   processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
   small combine rescales and sums them.
 - fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
-- Masked loads: tokens past the context length are neither read nor counted, so stale or
-  non-finite page contents past the end never reach the output.
+- Masks only where needed: all loop steps but the one that reaches past the context length
+  load whole blocks unmasked; that last step masks its loads (and zeroes 8-bit fp rows past
+  the end), so stale or non-finite page contents past the end never reach the output.
+- 8-bit pages (fp8 e4m3/e5m2, int8) are converted once, straight to the compute dtype
+  (exact in bf16), and their per-token scales are applied outside the dots: the K scale to
+  the logits, the V scale to the probabilities.
 """
 from __future__ import annotations
 
@@ -65,17 +69,28 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
     qk_scale = scale * LOG2E
 
-    def body(i, carry):
+    # Only a step that reaches past `length` needs masks: every step before it holds
+    # `block_k` tokens of the sequence, so the hot loop loads K/V codes and scales unmasked
+    # and skips the logit select; at most one masked step per split follows (none when the
+    # split's last step is full, e.g. every split when `length` is a multiple of `block_k`).
+    num_full = jnp.minimum(jnp.maximum(length - first_page * block_size, 0) // block_k, num_iters)
+
+    def step(i, carry, masked: bool):
         page0 = first_page + i * pages_per_compute_block
         slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
-        valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
-        logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision)
-        logits = jnp.where(valid[None, :], logits * qk_scale, -jnp.inf)
+        valid = None
+        if masked:
+            valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
+        logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision) * qk_scale
+        if masked:
+            logits = jnp.where(valid[None, :], logits, -jnp.inf)
         # every step has a token, so the running max is finite: no empty-row guard
         return paging.softmax_step(carry, logits, v_ref, vs_ref, slots, valid, compute_dtype,
                                    precision, guard_empty_rows=False)
 
-    acc, m, l = lax.fori_loop(0, num_iters, body, paging.init_softmax_state(rows, head_dim))
+    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False),
+                          paging.init_softmax_state(rows, head_dim))
+    acc, m, l = lax.fori_loop(num_full, num_iters, functools.partial(step, masked=True), carry)
 
     has_keys = l > 0
     out = paging.normalize(acc, l)

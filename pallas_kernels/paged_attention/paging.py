@@ -60,18 +60,30 @@ def token_slots(table_ref, row: jax.Array | None, first_page: jax.Array, block_k
     return pages * block_size + j % block_size
 
 
-def load_tokens(ref, slots: jax.Array, valid: jax.Array | None, head_dim: int) -> jax.Array:
-    """Gather rows `slots` of a `[tokens, d]` ref -> `[len(slots), d]`; invalid rows read 0."""
+def load_tokens(ref, slots: jax.Array, valid: jax.Array | None, head_dim: int,
+                dtype=None) -> jax.Array:
+    """Gather rows `slots` of a `[tokens, d]` ref -> `[len(slots), d]` in `dtype` (default:
+    the ref's own), invalid rows read as 0.
+
+    8-bit codes are converted once, straight to `dtype`: fp8 (e4m3, e5m2) and int8 codes are
+    exact in bf16, so no float32 detour is needed. With `valid=None` (every row in range) the
+    load is plain: no mask and no per-element select.
+    """
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    rows_ref = ref.at[slots[:, None], cols]
     if valid is None:
-        return plgpu.load(ref.at[slots[:, None], cols])
-    if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
+        x = plgpu.load(rows_ref)
+    elif jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
         # Triton cannot splat a fill value into fp8: load (slots are always in bounds:
-        # padding pages are the null block) and zero the invalid rows afterwards.
-        x = plgpu.load(ref.at[slots[:, None], cols]).astype(jnp.float32)
-        return jnp.where(valid[:, None], x, 0.0)
-    mask = jnp.broadcast_to(valid[:, None], (slots.shape[0], head_dim))
-    return plgpu.load(ref.at[slots[:, None], cols], mask=mask, other=0)
+        # padding pages are the null block), convert, then zero the invalid rows. The select
+        # is needed, not cosmetic: fp8 has NaN (and e5m2 inf) codes, and NaN * (p = 0) is
+        # NaN in the PV dot.
+        x = plgpu.load(rows_ref).astype(jnp.float32 if dtype is None else dtype)
+        return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+    else:
+        mask = jnp.broadcast_to(valid[:, None], (slots.shape[0], head_dim))
+        x = plgpu.load(rows_ref, mask=mask, other=0)
+    return x if dtype is None else x.astype(dtype)
 
 
 def load_scales(ref, slots: jax.Array, valid: jax.Array | None) -> jax.Array:
@@ -97,7 +109,7 @@ def key_logits(q: jax.Array, k_ref, ks_ref, slots: jax.Array, valid: jax.Array |
                precision) -> jax.Array:
     """fp32 `q @ k.T` `[rows, len(slots)]` for the gathered key rows, dequantized by their
     per-token scales when `ks_ref` is given (the scale factors out of the dot)."""
-    k = load_tokens(k_ref, slots, valid, q.shape[-1]).astype(q.dtype)
+    k = load_tokens(k_ref, slots, valid, q.shape[-1], q.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)
     if ks_ref is not None:
@@ -123,7 +135,7 @@ def softmax_step(carry, s: jax.Array, v_ref, vs_ref, slots: jax.Array,
     l = l * alpha + jnp.sum(p, axis=1)
     if vs_ref is not None:
         p = p * load_scales(vs_ref, slots, valid)[None, :]
-    v = load_tokens(v_ref, slots, valid, acc.shape[-1]).astype(compute_dtype)
+    v = load_tokens(v_ref, slots, valid, acc.shape[-1], compute_dtype)
     pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_new, l

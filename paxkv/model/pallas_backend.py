@@ -34,6 +34,12 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatc
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     num_tokens = q.shape[0]
+    if decode_only and num_tokens == batch.context_lens.shape[0]:
+        # The runner's decode layout: token s is sequence s's new token (cu_q_lens counts one
+        # per real sequence; padding rows have context 0, so the kernel writes zeros for
+        # them). No gathers: they were two extra launches per layer.
+        return paged_attention(q, k_pages, v_pages, batch.block_tables, batch.context_lens,
+                               k_scale, v_scale, scale=float(scale), interpret=interpret)
     if decode_only:
         # One query row per sequence (padding sequences read some row; their context is 0,
         # so the kernel writes zeros for them), then back to token order.
