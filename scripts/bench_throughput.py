@@ -46,6 +46,8 @@ flags.DEFINE_bool("full_compare_workloads", True, "with --compare, also run non-
                   "full size (else only the comparison subsets)")
 flags.DEFINE_bool("run_transformers", True, "with --compare on a GPU, time transformers too")
 flags.DEFINE_bool("latency", False, "one stream, 128 in / 512 out, against the roofline")
+flags.DEFINE_list("latency_steps", [], "with --latency, also time one stream at these "
+                  "num_scheduler_steps values (e.g. 1,32)")
 flags.DEFINE_float("mem_fraction", None, "XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.55 with "
                    "--compare, leaving PyTorch room; else 0.92)")
 flags.DEFINE_string("out_dir", "results/throughput", "where the json and markdown go")
@@ -315,6 +317,15 @@ def main(argv):
         result["latency"] = latency_run(llm, cfg, bw)
         print("latency", result["latency"], flush=True)
         save()
+        k_main = engine.num_scheduler_steps
+        for k in (int(x) for x in FLAGS.latency_steps):
+            if k == k_main or not time_left():
+                continue
+            engine.num_scheduler_steps = k
+            result.setdefault("latency_by_steps", {})[str(k)] = latency_run(llm, cfg, bw)
+            print(f"latency k={k}", result["latency_by_steps"][str(k)], flush=True)
+            save()
+        engine.num_scheduler_steps = k_main
 
     for name in FLAGS.workloads:
         if not time_left():

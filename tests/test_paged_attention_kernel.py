@@ -120,6 +120,27 @@ def test_poisoned_pages_past_length_do_not_leak():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
+def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt):
+    """fp8 has NaN codes (and e5m2 inf): bytes past a sequence's length or in the null block
+    must not reach outputs, also on the unmasked fast path of full compute blocks."""
+    from paxkv.cache import quant
+    q, k, v, tables, lens = make_case(6, batch=2, q_heads=8, kv_heads=2, block_size=8,
+                                      max_blocks=3, lens=[13, 24], dtype=jnp.float32)
+    q = q.astype(jnp.bfloat16)
+    k, k_scale = quant.quantize(k, quant.storage_dtype(fmt))
+    v, v_scale = quant.quantize(v, quant.storage_dtype(fmt))
+    ref = paged_attention_reference(q, k, v, tables, lens, k_scale, v_scale)
+    nan = jnp.array(jnp.nan, k.dtype)
+    last_page = int(tables[0, 1])
+    k = k.at[last_page, 5:].set(nan).at[0].set(nan)
+    v = v.at[last_page, 5:].set(nan).at[0].set(nan)
+    out = paged_attention(q, k, v, tables, lens, k_scale, v_scale, num_splits=1,
+                          pages_per_compute_block=2, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    assert rel_err(out, ref) < 2e-2
+
+
 def test_choose_num_splits():
     # the split counts that measured best on an H200 (results/kernels.md)
     assert choose_num_splits(32, 8, 64, 8) == 4
