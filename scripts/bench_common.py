@@ -26,9 +26,11 @@ PREFILL_WORK = [("prompts 8 x 2048", 8, 2048, 2048), ("chunks 8 x 512 over 4096"
 CHAIN = 8
 
 
-def decode_shapes(smoke: bool) -> list[tuple[int, int]]:
-    """(batch, context) of each decode case; `smoke`: two tiny ones for CPU interpret mode."""
-    return [(4, 64), (2, 256)] if smoke else DECODE_SHAPES
+def decode_shapes(smoke: bool, only: str = "") -> list[tuple[int, int]]:
+    """(batch, context) of each decode case; `smoke`: two tiny ones for CPU interpret mode;
+    `only`: a comma list of indices into that list."""
+    shapes = [(4, 64), (2, 256)] if smoke else DECODE_SHAPES
+    return [shapes[int(i)] for i in only.split(",")] if only else shapes
 
 
 def prefill_work(smoke: bool) -> list[tuple[str, int, int, int]]:
@@ -180,6 +182,8 @@ def parse_args(doc: str, budget_s: float, quick_help: str, sections: str) -> arg
     parser.add_argument("--budget", type=float, default=budget_s, help="seconds for the whole run")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--skip", default="", help=f"comma list of sections to skip: {sections}")
+    parser.add_argument("--shapes", default="", help="comma list of decode shape indices to run "
+                        "(0-4, the reference figures' order; default all)")
     return parser.parse_args()
 
 

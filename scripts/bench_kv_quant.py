@@ -123,8 +123,9 @@ def quant_tunings(base: dict, pages: int) -> list[dict]:
 
 
 def decode_section(args, clock, results):
-    shapes = decode_shapes(args.smoke)
-    for shape_i, (batch, ctx) in enumerate(shapes):
+    all_shapes = decode_shapes(args.smoke)
+    for batch, ctx in decode_shapes(args.smoke, args.shapes):
+        shape_i = all_shapes.index((batch, ctx))        # the input seed: same data per shape
         if clock.left() < 60:
             log("(time budget: skipping remaining decode shapes)")
             break

@@ -165,3 +165,24 @@ def test_bad_input_names_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         paged_attention(args["q"], k, v, args["tables"], args["lens"],
                         pages_per_compute_block=args["ppcb"], interpret=True)
+
+
+def test_pipeline_stages_fit_shared_memory():
+    """Default stages shrink only where K/V tiles would overflow shared memory (an H200 ran
+    out at 256-token pages with three stages); explicit values are kept."""
+    from pallas_kernels.paged_attention.paging import SHARED_MEMORY_BUDGET, fit_num_stages
+
+    def stages(default, block_k, rows):
+        return fit_num_stages(None, default, block_k=block_k, head_dim=128, kv_itemsize=2,
+                              rows=rows, q_itemsize=2)
+
+    assert stages(2, 128, 16) == 2          # decode, 16-token pages x 8
+    assert stages(3, 64, 128) == 3          # ragged default, 16-token pages x 4
+    assert stages(3, 128, 128) == 2         # ragged, one 128-token page per step
+    assert stages(3, 256, 128) == 1         # ragged, one 256-token page per step
+    assert stages(2, 256, 16) == 1          # decode, one 256-token page per step
+    for block_k in (16, 32, 64, 128, 256):
+        s = stages(3, block_k, 128)
+        assert s * 2 * block_k * 128 * 2 + 128 * 128 * 2 <= SHARED_MEMORY_BUDGET
+    assert fit_num_stages(4, 2, block_k=256, head_dim=128, kv_itemsize=2, rows=16,
+                          q_itemsize=2) == 4

@@ -232,7 +232,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
                     scale: float | None = None, pages_per_compute_block: int | None = None,
-                    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                    num_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                     pages_layout: str = "blocks_first", interpret: bool = False) -> jax.Array:
     """Decode attention of one query token per sequence over its paged KV cache.
 
@@ -248,7 +248,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       scale: softmax scale (default `head_dim ** -0.5`).
       pages_per_compute_block: pages gathered per loop step (default ~128 tokens).
       num_splits: split-K count (default from batch, heads and `max_blocks`).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters (stages default to 2, fewer where the
+        K/V tiles would not fit in shared memory).
       interpret: run in Pallas interpret mode (CPU tests).
     Returns:
       `[batch, q_heads, head_dim]` in `q.dtype`.
@@ -270,6 +271,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     width = splits * pages_per_split
     if width > max_pages:                               # pad with the null block
         block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
+
+    num_stages = paging.fit_num_stages(
+        num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        rows=max(16, paging.next_power_of_two(q.shape[1] // num_kv_heads)),
+        q_itemsize=jnp.dtype(q.dtype).itemsize)
 
     def to_tok(x):
         return None if x is None else _pages_to_tokens(x, pages_layout)

@@ -145,3 +145,26 @@ def normalize(acc: jax.Array, l: jax.Array) -> jax.Array:
     """Final output `acc / l`; rows that saw no key (l == 0) are 0, not NaN."""
     has_keys = l > 0
     return acc * jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)[:, None]
+
+
+# Shared memory one Triton program may use on Hopper is 227 KiB; keep a margin for Triton's
+# own scratch (the reduction and layout-conversion buffers).
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def fit_num_stages(requested: int | None, default: int, *, block_k: int, head_dim: int,
+                   kv_itemsize: int, rows: int, q_itemsize: int) -> int:
+    """Pipeline depth for a kernel whose loop loads a K and a V tile of `block_k` tokens.
+
+    An explicit `requested` value is kept. Otherwise `default`, lowered until `stages` K+V
+    tiles plus the query tile fit `SHARED_MEMORY_BUDGET`: large pages (block size 128-256,
+    one page per loop step) would otherwise ask for more shared memory than the GPU has.
+    """
+    if requested is not None:
+        return requested
+    per_stage = 2 * block_k * head_dim * kv_itemsize
+    fixed = rows * head_dim * q_itemsize
+    stages = default
+    while stages > 1 and stages * per_stage + fixed > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return stages

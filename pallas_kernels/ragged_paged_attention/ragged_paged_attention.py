@@ -207,7 +207,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            v_scale: jax.Array | None = None, *, scale: float | None = None,
                            block_q: int | None = None,
                            pages_per_compute_block: int | None = None, num_warps: int = 4,
-                           num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                           num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
 
     Args:
@@ -220,7 +220,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       scale: softmax scale (default `head_dim ** -0.5`).
       block_q: query tokens per tile (default `128 // group`, at least 1).
       pages_per_compute_block: pages per key block (default ~64 tokens).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters (stages default to 3, fewer where the
+        K/V tiles would not fit in shared memory, as with 128- or 256-token pages).
       interpret: Pallas interpret mode (CPU tests).
     Returns:
       `[T, q_heads, head_dim]` in `q.dtype`; rows past `cu_q_lens[-1]` are zeros.
@@ -237,6 +238,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
         raise ValueError(f"pages_per_compute_block must be a power of two with "
                          f"block_size * pages_per_compute_block >= 16, got {ppcb}")
+
+    num_stages = paging.fit_num_stages(
+        num_stages, 3, block_k=block_size * ppcb, head_dim=head_dim,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        rows=max(16, paging.next_power_of_two(bq * group)), q_itemsize=jnp.dtype(q.dtype).itemsize)
 
     def to_tok(x):
         return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
