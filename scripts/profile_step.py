@@ -41,6 +41,8 @@ flags.DEFINE_integer("trace_steps", 3, "steps under the profiler (0: no trace)")
 flags.DEFINE_bool("matmuls", True, "time the weight matmuls alone")
 flags.DEFINE_string("attention_backend", "auto", "reference | pallas | auto")
 flags.DEFINE_list("kv_cache_dtypes", ["auto"], "one engine per KV dtype (auto, fp8, fp8_e5m2, int8)")
+flags.DEFINE_list("decode_bucket_mins", [], "also profile with the smallest decode batch bucket "
+                  "set to each of these (the GPU default pads every decode step to 64 rows)")
 flags.DEFINE_string("out_dir", "", "where profile_step.json / .md go (default: print only)")
 
 
@@ -172,6 +174,7 @@ def main(argv):
     import jax
 
     from paxkv import LLM
+    from paxkv.runner import pick_bucket, pow2_buckets
 
     result: dict = {"command": " ".join(sys.argv), "jax": jax.__version__,
                     "device": str(jax.devices()[0].device_kind)}
@@ -194,13 +197,19 @@ def main(argv):
         llm = LLM(FLAGS.model, max_num_seqs=max(FLAGS.max_num_seqs, max(batches)),
                   max_model_len=FLAGS.max_model_len, attention_backend=FLAGS.attention_backend,
                   tokenizer=None, kv_cache_dtype=kv_dtype,
-                  num_gpu_blocks_override=max(batches) * (FLAGS.context // 16 + 40) + 64)
+                  num_gpu_blocks_override=max(batches) * (FLAGS.context // 16 + 40) + FLAGS.max_model_len // 16 + 64)
         runner = llm.llm_engine.runner
         cfg = runner.cfg
         result["backend"] = runner.backend
-        for b in batches:
+        default_buckets = runner.seq_buckets
+        cases = [(b, None) for b in batches] + [
+            (b, int(m)) for m in FLAGS.decode_bucket_mins for b in batches]
+        for b, bucket_min in cases:
+            runner.seq_buckets = default_buckets if bucket_min is None else pow2_buckets(
+                bucket_min, max(bucket_min, default_buckets[-1]))
             row = profile_batch(runner, b)
             row["kv_cache_dtype"] = kv_dtype
+            row["decode_rows"] = pick_bucket(b, runner.seq_buckets)
             result["steps"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
             if "trace" in row:
