@@ -42,7 +42,7 @@ flags.DEFINE_bool("matmuls", True, "time the weight matmuls alone")
 flags.DEFINE_string("attention_backend", "auto", "reference | pallas | auto")
 flags.DEFINE_list("kv_cache_dtypes", ["auto"], "one engine per KV dtype (auto, fp8, fp8_e5m2, int8)")
 flags.DEFINE_list("decode_bucket_mins", [], "also profile with the smallest decode batch bucket "
-                  "set to each of these (the GPU default pads every decode step to 64 rows)")
+                  "set to each of these (the engine pads decode steps to a power of two, at least 8 rows on a GPU)")
 flags.DEFINE_string("out_dir", "", "where profile_step.json / .md go (default: print only)")
 
 
