@@ -24,8 +24,13 @@ from paxkv.config import ModelConfig
 
 Params = Any
 
-ATTN_PARTS = ("q_proj", "k_proj", "v_proj")
-MLP_PARTS = ("gate_proj", "up_proj")
+# Fused kernel name -> (the block holding it, the separate projections it replaces, in
+# column order).
+FUSED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+}
+FUSED_PARTS = frozenset(p for _, parts in FUSED.values() for p in parts)
 
 
 def is_fused(params: Params) -> bool:
@@ -33,11 +38,12 @@ def is_fused(params: Params) -> bool:
     return "qkv_proj" in params.get("layers_0", {}).get("self_attn", {})
 
 
-def part_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Output width of each separate projection."""
+def part_widths(cfg: ModelConfig, fused_name: str) -> tuple[int, ...]:
+    """Output width of each separate projection a fused kernel replaces, in column order."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
+    widths = {"q_proj": q, "k_proj": kv, "v_proj": kv,
+              "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+    return tuple(widths[p] for p in FUSED[fused_name][1])
 
 
 def fuse_projections(params: Params) -> Params:
@@ -52,11 +58,12 @@ def fuse_projections(params: Params) -> Params:
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
-        attn = dict(layer["self_attn"])
-        mlp = dict(layer["mlp"])
-        attn["qkv_proj"] = {"kernel": _concat([attn.pop(p)["kernel"] for p in ATTN_PARTS])}
-        mlp["gate_up_proj"] = {"kernel": _concat([mlp.pop(p)["kernel"] for p in MLP_PARTS])}
-        out[name] = {**layer, "self_attn": attn, "mlp": mlp}
+        layer = dict(layer)
+        for fused_name, (block, parts) in FUSED.items():
+            sub = dict(layer[block])
+            sub[fused_name] = {"kernel": _concat([sub.pop(p)["kernel"] for p in parts])}
+            layer[block] = sub
+        out[name] = layer
     return out
 
 
@@ -71,11 +78,11 @@ def projection(layer: Params, block: str, part: str, cfg: ModelConfig) -> jax.Ar
     sub = layer[block]
     if part in sub:
         return sub[part]["kernel"]
-    parts = ATTN_PARTS if block == "self_attn" else MLP_PARTS
-    fused = sub["qkv_proj" if block == "self_attn" else "gate_up_proj"]["kernel"]
-    sizes = part_sizes(cfg)
-    start = sum(sizes[p] for p in parts[:parts.index(part)])
-    return fused[:, start:start + sizes[part]]
+    fused_name = next(f for f, (b, parts) in FUSED.items() if b == block and part in parts)
+    i = FUSED[fused_name][1].index(part)
+    widths = part_widths(cfg, fused_name)
+    start = sum(widths[:i])
+    return sub[fused_name]["kernel"][:, start:start + widths[i]]
 
 
 def split_columns(x: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
-from paxkv.model.fusion import ATTN_PARTS, MLP_PARTS, split_columns
+from paxkv.model.fusion import FUSED, part_widths, split_columns
 from paxkv.model.rope import apply_rope, cos_sin
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
@@ -57,17 +57,18 @@ def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
                     kernel_init=nn.initializers.normal(INIT_STD))
 
 
-def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str,
-                       widths: tuple[int, ...], part_names: tuple[str, ...],
+def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: ModelConfig,
                        dtype: Any) -> tuple[jax.Array, ...]:
-    """The outputs of projections that all read `x`: one matmul when the parameters are in
-    the serving layout (`fusion.py`, kernel `fused_name`), else one `nn.Dense` each."""
+    """The outputs of the projections that all read `x` and that `fusion.FUSED[fused_name]`
+    names: one matmul when the parameters are in the serving layout, else one `nn.Dense`
+    each."""
+    widths = part_widths(cfg, fused_name)
     if not module.is_initializing() and module.has_variable("params", fused_name):
         kernel = module.get_variable("params", fused_name)["kernel"]
         y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
                                 (((x.ndim - 1,), (0,)), ((), ())))
         return split_columns(y, widths)
-    return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, part_names))
+    return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
 class Attention(nn.Module):
@@ -82,9 +83,7 @@ class Attention(nn.Module):
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
         c = self.cfg
         lead = x.shape[:-1]
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = _fused_projections(self, x, "qkv_proj", (q_width, kv_width, kv_width),
-                                     ATTN_PARTS, self.dtype)
+        q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
         q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
@@ -102,8 +101,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
-        gate, up = _fused_projections(self, x, "gate_up_proj", (c.intermediate_size,) * 2,
-                                      MLP_PARTS, self.dtype)
+        gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
         return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
 
 

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from paxkv.config import ModelConfig, from_hf_config
-from paxkv.model.fusion import ATTN_PARTS, MLP_PARTS, is_fused, projection
+from paxkv.model.fusion import FUSED_PARTS, is_fused, projection
 from paxkv.model.llama import init_params
 
 Params = Any
@@ -310,7 +310,7 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Arra
     fused = is_fused(params)
     for spec in tensor_specs(cfg):
         try:
-            if fused and spec.path[-2] in ATTN_PARTS + MLP_PARTS:
+            if fused and spec.path[-2] in FUSED_PARTS:
                 x = projection(params[spec.path[0]], spec.path[1], spec.path[2], cfg)
             else:
                 x = _get(params, spec.path)
