@@ -49,11 +49,13 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.paged_attention import paging  # noqa: E402
 from paxkv.cache import quant  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
     HEAD_DIM,
     KV_HEADS,
+    Q_HEADS,
     decode_inputs,
     decode_shapes,
     fmt,
@@ -74,7 +76,6 @@ FORMATS = ("fp8", "fp8_e5m2", "int8")
 # 8-bit sweep limits: tokens gathered per loop step, and K+V tile bytes the pipeline stages
 # keep in shared memory (8-bit tiles; an H200 SM has 227 KiB)
 MAX_STEP_TOKENS = 256
-STAGE_SMEM_BUDGET = 192 * 1024
 
 
 @functools.partial(jax.jit, static_argnames=("name",))
@@ -97,7 +98,8 @@ def quant_tunings(base: dict, pages: int) -> list[dict]:
 
     A step stays within MAX_STEP_TOKENS and within a split's pages (so the split count is
     unchanged); stages are capped at the loop's steps + 1 (deeper prefetches nothing more)
-    and at what STAGE_SMEM_BUDGET holds. Duplicates after the caps are dropped.
+    and at what shared memory holds (`paging.fit_num_stages`, as the kernels' defaults are).
+    Duplicates after the caps are dropped.
     """
     p, st = base["pages_per_compute_block"], base["num_stages"]
     per_split = -(-pages // base["num_splits"])
@@ -105,9 +107,9 @@ def quant_tunings(base: dict, pages: int) -> list[dict]:
     def variant(ppcb: int, stages: int) -> dict | None:
         if ppcb * BLOCK > MAX_STEP_TOKENS or ppcb > per_split:
             return None
-        stages = min(stages, -(-per_split // ppcb) + 1)
-        while stages > 2 and stages * 2 * ppcb * BLOCK * HEAD_DIM > STAGE_SMEM_BUDGET:
-            stages -= 1
+        stages = paging.fit_num_stages(None, min(stages, -(-per_split // ppcb) + 1),
+                                       block_k=ppcb * BLOCK, head_dim=HEAD_DIM, kv_itemsize=1,
+                                       rows=paging.tile_rows(Q_HEADS // KV_HEADS), q_itemsize=2)
         return {**base, "pages_per_compute_block": ppcb, "num_stages": stages}
 
     tunings = [base]

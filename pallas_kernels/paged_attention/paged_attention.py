@@ -165,7 +165,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
                  num_warps, num_stages, interpret):
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
-    rows = max(16, paging.next_power_of_two(group))
+    rows = paging.tile_rows(group)
     quantized = ks_tok is not None
     width = block_tables.shape[1]
     num_tokens = k_tok.shape[0] if layout == "blocks_first" else k_tok.shape[1]
@@ -291,7 +291,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_stages = paging.fit_num_stages(
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
         kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
-        rows=max(16, paging.next_power_of_two(q.shape[1] // num_kv_heads)),
+        rows=paging.tile_rows(q.shape[1] // num_kv_heads),
         q_itemsize=jnp.dtype(q.dtype).itemsize)
 
     def to_tok(x):

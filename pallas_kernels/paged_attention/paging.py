@@ -22,6 +22,11 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def tile_rows(query_rows: int) -> int:
+    """Rows of a program's query tile: a power of two, at least the 16 a dot needs."""
+    return max(16, next_power_of_two(query_rows))
+
+
 def check_heads(num_heads: int, q_dim: int, num_kv_heads: int, head_dim: int,
                 block_size: int) -> None:
     """Head and page shapes both kernels need (ValueError naming the field otherwise)."""

@@ -52,7 +52,7 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
         (o_ref,) = refs
     w, h = pl.program_id(0), pl.program_id(1)
     num_tokens, _, head_dim = q_ref.shape
-    rows = max(16, paging.next_power_of_two(block_q * group))
+    rows = paging.tile_rows(block_q * group)
     block_k = block_size * pages_per_compute_block
     seq = work_seq_ref[w]
 
@@ -242,7 +242,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     num_stages = paging.fit_num_stages(
         num_stages, 3, block_k=block_size * ppcb, head_dim=head_dim,
         kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
-        rows=max(16, paging.next_power_of_two(bq * group)), q_itemsize=jnp.dtype(q.dtype).itemsize)
+        rows=paging.tile_rows(bq * group), q_itemsize=jnp.dtype(q.dtype).itemsize)
 
     def to_tok(x):
         return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
