@@ -37,11 +37,7 @@ def sweep(s: configs.BlockSizeSettings, progress: bool = True) -> tuple[list[dic
     traces = {t: serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len, s.max_output_len)
               for t, n in s.traces}
     rows: list[dict[str, Any]] = []
-    last_cost = 0.0
-    for bs in tqdm(s.block_sizes, desc=NAME, disable=not progress):
-        if not budget.allows(last_cost, f"block {bs}"):
-            continue
-        t0 = budget.elapsed()
+    for bs in budget.points(tqdm(s.block_sizes, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         llm = serving.make_llm(s.engine, block_size=bs)
         vocab = llm.config.model.vocab_size
         for trace, _ in s.traces:
@@ -50,7 +46,6 @@ def sweep(s: configs.BlockSizeSettings, progress: bool = True) -> tuple[list[dic
             rows.append({"trace": trace, "block_size": bs, "num_blocks": s.engine.pool_tokens // bs, **st.summary()})
         del llm
         gc.collect()
-        last_cost = budget.elapsed() - t0
     return rows, budget.skipped
 
 
@@ -119,12 +114,11 @@ def _tables(rows: list[dict[str, Any]], s: configs.BlockSizeSettings, skipped: l
     notes = (
         f"Requests: {counts} (`paxkv/workloads.py`, seed {s.seed}), prompts and outputs clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, greedy with EOS ignored, all queued at "
-        f"once. Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots at every block size, at most "
-        f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len {g.max_model_len}, "
+        f"once. {serving.engine_note(g, 'at every block size')}, "
         "recompute preemption, prefix caching off. Each point is the second of two identical runs (the first "
         "compiles every shape); requests/s = requests / time to drain the trace; normalized latency = mean over "
         "requests of (finish - submission) / output tokens, so it includes queueing."
-        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+        + serving.skipped_note(skipped))
     return table, notes
 
 

@@ -57,14 +57,9 @@ def sweep(s: configs.PreemptionSettings, progress: bool = True) -> tuple[list[di
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
     rows: list[dict[str, Any]] = []
-    last_cost = 0.0
-    for bs in tqdm(s.block_sizes, desc=NAME, disable=not progress):
-        if not budget.allows(last_cost, f"block {bs}"):
-            continue
-        t0 = budget.elapsed()
+    for bs in budget.points(tqdm(s.block_sizes, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         for mode in s.modes:
             rows.append(run_mode(s, bs, mode, trace))
-        last_cost = budget.elapsed() - t0
     return rows, budget.skipped
 
 
@@ -136,13 +131,12 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
     notes = (
         f"Requests: {s.num_requests} {s.trace}-like (`paxkv/workloads.py`, seed {s.seed}), clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, greedy with EOS ignored, all queued at "
-        f"once. Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots at every block size, at most "
-        f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len {g.max_model_len}, "
+        f"once. {serving.engine_note(g, 'at every block size')}, "
         f"host swap space {s.swap_space_gib:g} GiB (a swap falls back to recompute when it is full: the \"by swap / "
         "by recompute\" column), prefix caching off. \"tokens recomputed\" = prefill tokens beyond the prompts; "
         "\"time copying blocks\" = time in the runner's swap-out and swap-in copies (timed until each has landed). "
         "Each point is the second of two identical runs (the first compiles every shape, the swap copies' too)."
-        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+        + serving.skipped_note(skipped))
     return table, notes
 
 

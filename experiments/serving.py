@@ -20,7 +20,7 @@ import inspect
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 from absl import flags
@@ -28,6 +28,8 @@ from absl import flags
 from configs import experiments as configs
 from experiments import common
 from paxkv.workloads import Request
+
+T = TypeVar("T")
 
 # Weights are the same for every engine of an experiment: built once, shared by all LLMs.
 _PARAMS: dict[tuple[str, str], Any] = {}
@@ -390,6 +392,30 @@ class Budget:
             return True
         self.skipped.append(label)
         return False
+
+    def points(self, items: Iterable[T], label: Callable[[T], str]) -> Iterator[T]:
+        """The items whose turn still fits, each estimated to cost what the last one run did
+        (the caller's loop body is what gets timed); the rest go to `skipped`."""
+        last_cost = 0.0
+        for item in items:
+            if not self.allows(last_cost, label(item)):
+                continue
+            t0 = self.elapsed()
+            yield item
+            last_cost = self.elapsed() - t0
+
+
+def engine_note(g: "configs.EngineGeometry", pool: str) -> str:
+    """The "Engine: ..." sentence of a serving experiment's notes; `pool` says how the token
+    slots are split ("at every block size", "in blocks of 16")."""
+    return (f"Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots {pool}, at most "
+            f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len "
+            f"{g.max_model_len}")
+
+
+def skipped_note(skipped: Sequence[str]) -> str:
+    """The notes' closing sentence naming the points a time budget skipped (or nothing)."""
+    return f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""
 
 
 def fmt_s(x: float) -> str:

@@ -77,11 +77,7 @@ def sweep(s: configs.SharingSettings, progress: bool = True) -> tuple[list[dict[
     # Interleave so a short budget still covers both kinds: n=a, beam a, n=b, beam b, ...
     order = sorted(configs_, key=lambda c: (sorted({w for _, w in configs_}).index(c[1]), c[0] != "parallel"))
     rows = []
-    last_cost = 0.0
-    for kind, width in tqdm(order, desc=NAME, disable=not progress):
-        if not budget.allows(last_cost, f"{kind} {width}"):
-            continue
-        t0 = budget.elapsed()
+    for kind, width in budget.points(tqdm(order, desc=NAME, disable=not progress), lambda c: f"{c[0]} {c[1]}"):
         row: dict[str, Any] = {"kind": kind, "width": width, "num_requests": len(trace)}
         for shared in (True, False):
             llm.metrics.reset()
@@ -95,7 +91,6 @@ def sweep(s: configs.SharingSettings, progress: bool = True) -> tuple[list[dict[
         row["throughput_gain"] = (row["shared_requests_per_s"] / row["unshared_requests_per_s"]
                                   if row["unshared_requests_per_s"] else float("nan"))
         rows.append(row)
-        last_cost = budget.elapsed() - t0
         gc.collect()
     return rows, budget.skipped
 
@@ -159,17 +154,15 @@ def _tables(rows: list[dict[str, Any]], s: configs.SharingSettings, skipped: lis
         f"Requests: {s.num_requests} {s.trace}-like prompts (`paxkv/workloads.py`, seed {s.seed}), clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, EOS ignored, all queued at once; every "
         f"sample and beam generates the trace's output length. Parallel samples use temperature {s.temperature:g} "
-        "with per-sample seeds. Engine: "
-        f"{g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots in blocks of {g.block_size}, at most "
-        f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len "
-        f"{g.max_model_len}, prefix caching off. \"saving (block tables)\" = 1 - (physical blocks held) / (blocks "
+        f"with per-sample seeds. {serving.engine_note(g, f'in blocks of {g.block_size}')}, "
+        "prefix caching off. \"saving (block tables)\" = 1 - (physical blocks held) / (blocks "
         "the running sequences' block tables point to), summed over steps; the unshared runs read 0% by "
         "construction, a check of the measure. \"saving (engine metrics)\" is `Metrics.summary()['sharing_saving']`, "
         "which counts a sequence's logical blocks from all its tokens, including the sampled token whose K/V is not "
         "written yet, so it reads a little higher. Requests/s count the trace's requests in both runs (an unshared "
         "run serves each as n or W separate requests); each figure is the second of two identical runs (the first "
         "compiles)."
-        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+        + serving.skipped_note(skipped))
     return table, notes
 
 

@@ -216,9 +216,7 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
         f"Trace: {s.trace}-like requests (`paxkv/workloads.py`), prompts clipped to {s.max_prompt_len} and "
         f"outputs to {s.max_output_len} tokens, random token ids, greedy with EOS ignored so every request "
         f"generates exactly its length; Poisson arrivals over {s.window_s:g} s (at least {s.min_requests} "
-        f"requests) per rate. Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots in blocks "
-        f"of {g.block_size}, at most {g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, "
-        f"max_model_len {g.max_model_len}, so the static policy runs at most {static_capacity(g)} requests "
+        f"requests) per rate. {serving.engine_note(g, f'in blocks of {g.block_size}')}, so the static policy runs at most {static_capacity(g)} requests "
         "at a time. "
         "Normalized latency = mean over requests of (finish - arrival) / output tokens. A run is cut off "
         f"{s.drain_s:g} s after its last arrival; its unfinished requests count with the cut-off as their finish, "
@@ -227,7 +225,7 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
         f"first {s.warmup_requests} requests ({2 * static_capacity(g)} for the static policy), queued at once, "
         "compiles first, and any step that compiles later pauses the clock (warm-up compiles: "
         + ", ".join(f"{p} {w['compiles']} in {w['compile_s']:.1f} s" for p, w in warm.items()) + ")."
-        + (f" Skipped for the time budget: {', '.join(skipped)}." if skipped else ""))
+        + serving.skipped_note(skipped))
     return table, notes
 
 
