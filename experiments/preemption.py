@@ -118,7 +118,6 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
     table = "## Against the paper (Fig. 19)\n\n" + common.markdown_table(["what", "paper", "paxkv"], head)
     lines = []
     for r in sorted(rows, key=lambda r: (r["block_size"], r["mode"])):
-        per = r["wall_s"] / r["preemptions"] if r["preemptions"] else float("nan")
         lines.append([r["block_size"], r["mode"], f"{r['wall_s']:.2f}", serving.fmt_s(r["mean_normalized_latency_s"]),
                       r["preemptions"], f"{r['swap_preemptions']} / {r['recompute_preemptions']}",
                       r["recomputed_tokens"], f"{r['blocks_swapped_out']} / {r['blocks_swapped_in']}",

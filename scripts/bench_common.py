@@ -93,6 +93,14 @@ def rel_err(out, ref) -> float:
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
+def check_and_time(fn: Callable, args: tuple, ref, smoke: bool) -> tuple[float, float, jax.Array]:
+    """Run `fn(*args)` once, compare it with `ref`, then time it (`time_call`; fewer repeats
+    in a smoke run): (seconds per call, relative error, the output)."""
+    out = fn(*args)
+    err = rel_err(out, ref)
+    return time_call(fn, args, reps=3 if smoke else 7), err, out
+
+
 def copy_bandwidth(smoke: bool) -> dict:
     """Device-to-device copy (bytes read + written), PyTorch memcpy and XLA elementwise."""
     res = {}

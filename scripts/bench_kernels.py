@@ -33,12 +33,10 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention import (  # noqa: E402
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
+    check_and_time,
     HEAD_DIM,
     KV_HEADS,
     Q_HEADS,
@@ -101,9 +99,7 @@ def decode_section(args, clock, results):
         def run_paxkv(tab, tuning, layout="blocks_first", kk=k, vv=v):
             fn = jax.jit(functools.partial(paged_attention, pages_layout=layout,
                                            interpret=interpret, **tuning))
-            out = fn(q, kk, vv, tab, lens)
-            err = rel_err(out, ref)
-            t = time_call(fn, (q, kk, vv, tab, lens), reps=3 if args.smoke else 7)
+            t, err, _ = check_and_time(fn, (q, kk, vv, tab, lens), ref, args.smoke)
             return t, err
 
         best = None
@@ -174,10 +170,7 @@ def decode_section(args, clock, results):
                 fn = jax.jit(functools.partial(
                     bundled_mod.paged_attention, pages_per_compute_block=ppcb, k_splits=ks,
                     num_warps=nw, interpret=interpret))
-                out = fn(q_scaled, k_hf, v_hf, tables, lens)
-                err = rel_err(out, ref)
-                t = time_call(fn, (q_scaled, k_hf, v_hf, tables, lens),
-                              reps=3 if args.smoke else 7)
+                t, err, _ = check_and_time(fn, (q_scaled, k_hf, v_hf, tables, lens), ref, args.smoke)
             except Exception as e:
                 log(f"  bundled ({ppcb},{ks},{nw}) FAILED: {repr(e)[:300]}")
                 continue
@@ -242,9 +235,7 @@ def prefill_section(args, clock, results):
             try:
                 fn = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret,
                                                **tuning))
-                out = fn(q, k, v, tables, lens, cu)
-                err = rel_err(out, ref)
-                t = time_call(fn, (q, k, v, tables, lens, cu), reps=3 if args.smoke else 7)
+                t, err, _ = check_and_time(fn, (q, k, v, tables, lens, cu), ref, args.smoke)
             except Exception as e:
                 log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
                 row["paxkv"].append({**tuning, "error": repr(e)[:300]})

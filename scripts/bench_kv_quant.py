@@ -53,6 +53,7 @@ from pallas_kernels.paged_attention import paging  # noqa: E402
 from paxkv.cache import quant  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
+    check_and_time,
     HEAD_DIM,
     KV_HEADS,
     Q_HEADS,
@@ -66,7 +67,6 @@ from scripts.bench_common import (  # noqa: E402
     rel_err,
     run_sections,
     save_report,
-    time_call,
 )
 
 # paxkv's best bf16 tuning per shape (results/kernels.md): ppcb, splits, warps, stages
@@ -168,10 +168,8 @@ def decode_section(args, clock, results):
                     break
                 try:
                     fn = jax.jit(functools.partial(paged_attention, interpret=args.smoke, **tuning))
-                    out = fn(q, kk, vv, tables, lens, ks, vs)
-                    err = rel_err(out, ref)
+                    t, err, out = check_and_time(fn, (q, kk, vv, tables, lens, ks, vs), ref, args.smoke)
                     qerr = rel_err(out, ref_bf16)
-                    t = time_call(fn, (q, kk, vv, tables, lens, ks, vs), reps=3 if args.smoke else 7)
                 except Exception as e:
                     log(f"  {name} {tuning} FAILED: {repr(e)[:300]}")
                     fr["runs"].append({**tuning, "error": repr(e)[:300]})
@@ -211,9 +209,9 @@ def prefill_section(args, clock, results):
                 vv, vs = quantize_pages(v, name)
             try:
                 fn = jax.jit(functools.partial(ragged_paged_attention, interpret=args.smoke, **tuning))
-                out = fn(q, kk, vv, tables, lens, cu, ks, vs)
-                err = rel_err(out, ragged_paged_attention_reference(q, kk, vv, tables, lens, cu, ks, vs))
-                t = time_call(fn, (q, kk, vv, tables, lens, cu, ks, vs), reps=3 if args.smoke else 7)
+                t, err, _ = check_and_time(
+                    fn, (q, kk, vv, tables, lens, cu, ks, vs),
+                    ragged_paged_attention_reference(q, kk, vv, tables, lens, cu, ks, vs), args.smoke)
             except Exception as e:
                 log(f"  {name} FAILED: {repr(e)[:300]}")
                 row["formats"][name] = {"error": repr(e)[:300]}
