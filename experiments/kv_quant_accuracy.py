@@ -43,6 +43,7 @@ from experiments import common
 from paxkv.cache import kv_pool as kvp
 from paxkv.cache import quant
 from paxkv.config import ModelConfig
+from paxkv.eval_windows import eval_windows
 from paxkv.model.batch import StepBatch
 from paxkv.model.dense import grouped_attention
 from paxkv.model.layers import Llama
@@ -83,19 +84,6 @@ GRANULARITY_LABELS = {
 
 
 # ---- data -------------------------------------------------------------------------------
-def eval_windows(stream: np.ndarray, bos: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Non-overlapping windows `[N, seq_len + 1]` (bos + seq_len stream tokens) and a target
-    mask `[N, seq_len]`: every stream token is predicted exactly once (the tiny model's
-    evaluation, results/tiny_model.md)."""
-    n = -(-stream.size // seq_len)
-    padded = np.zeros(n * seq_len, np.int32)
-    padded[:stream.size] = stream
-    mask = np.zeros(n * seq_len, np.float32)
-    mask[:stream.size] = 1.0
-    windows = np.concatenate([np.full((n, 1), bos, np.int32), padded.reshape(n, seq_len)], axis=1)
-    return windows, mask.reshape(n, seq_len)
-
-
 def load_text(tokenizer: Any, bos: int) -> dict[str, Any]:
     """Token streams of the eval and calibration splits and the eval split's paragraphs."""
     if FLAGS.text_file:

@@ -35,6 +35,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paxkv.eval_windows import eval_windows  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("corpus_dir", "scratch/tiny_corpus", "Output of prepare_tiny_corpus.py.")
@@ -124,18 +125,6 @@ class WindowSampler:
         n_chat = int(self.rng.binomial(batch_size, self.chat_fraction))
         rows = [self._plain(batch_size - n_chat)] + [self._chat()[None] for _ in range(n_chat)]
         return np.concatenate(rows, axis=0)
-
-
-def eval_windows(stream: np.ndarray, bos: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Non-overlapping windows: each is <|begin_of_text|> + seq_len stream tokens; every stream
-    token is predicted exactly once. Returns (windows [N, seq_len + 1], target mask [N, seq_len])."""
-    n = -(-stream.size // seq_len)
-    padded = np.zeros(n * seq_len, np.int32)
-    padded[:stream.size] = stream
-    mask = np.zeros(n * seq_len, np.float32)
-    mask[:stream.size] = 1.0
-    windows = np.concatenate([np.full((n, 1), bos, np.int32), padded.reshape(n, seq_len)], axis=1)
-    return windows, mask.reshape(n, seq_len)
 
 
 # ----------------------------------------------------------------------------------------
