@@ -5,6 +5,16 @@ import jax
 import jax.numpy as jnp
 
 
+def gather_sequences(pages: jax.Array, scales: jax.Array | None,
+                     block_tables: jax.Array) -> jax.Array:
+    """Every sequence's pages, `[S, max_blocks * block_size, kv_heads, d]` float32, dequantized
+    by their per-token scales when given (blocks-first pages)."""
+    x = pages[block_tables].astype(jnp.float32)          # [S, pages, bs, H, d]
+    if scales is not None:
+        x = x * scales[block_tables][..., None].astype(jnp.float32)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               block_tables: jax.Array, context_lens: jax.Array,
                               k_scale: jax.Array | None = None,
@@ -19,14 +29,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    k = k_pages[block_tables].astype(jnp.float32)       # [B, pages, bs, H, d]
-    v = v_pages[block_tables].astype(jnp.float32)
-    if k_scale is not None:
-        k = k * k_scale[block_tables][..., None].astype(jnp.float32)
-        v = v * v_scale[block_tables][..., None].astype(jnp.float32)
+    k = gather_sequences(k_pages, k_scale, block_tables)
+    v = gather_sequences(v_pages, v_scale, block_tables)
     length = block_tables.shape[1] * block_size
-    k = k.reshape(batch, length, num_kv_heads, head_dim)
-    v = v.reshape(batch, length, num_kv_heads, head_dim)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
     s = jnp.einsum("bhgd,blhd->bhgl", qg, k, precision="highest") * scale
     valid = jnp.arange(length)[None, :] < context_lens[:, None]

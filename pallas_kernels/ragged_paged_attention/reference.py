@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.reference import gather_sequences
+
 
 def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                      block_tables: jax.Array, context_lens: jax.Array,
@@ -22,14 +24,9 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     seq = jnp.minimum(seq, num_seqs - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = context_lens[seq] - q_len + (t - cu_q_lens[seq])
-    k = k_pages[block_tables].astype(jnp.float32)        # [S, pages, bs, H, d]
-    v = v_pages[block_tables].astype(jnp.float32)
-    if k_scale is not None:
-        k = k * k_scale[block_tables][..., None].astype(jnp.float32)
-        v = v * v_scale[block_tables][..., None].astype(jnp.float32)
+    k = gather_sequences(k_pages, k_scale, block_tables)[seq]     # [T, length, H, d]
+    v = gather_sequences(v_pages, v_scale, block_tables)[seq]
     length = block_tables.shape[1] * block_size
-    k = k.reshape(num_seqs, length, num_kv_heads, head_dim)[seq]
-    v = v.reshape(num_seqs, length, num_kv_heads, head_dim)[seq]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     s = jnp.einsum("thgd,tlhd->thgl", qg, k, precision="highest") * scale
     key = jnp.arange(length, dtype=jnp.int32)[None, :]
