@@ -503,19 +503,18 @@ class LLM:
         path, cfg = _resolve_model(model)
         if path is not None:
             from paxkv.model.weights import load_checkpoint
-            loaded, cfg = load_checkpoint(path, dtype=dtype) if params is None else (None, None)
-            params = params if params is not None else loaded
-            if cfg is None:
+            if params is None:
+                params, cfg = load_checkpoint(path, dtype=dtype)
+            else:
                 from paxkv.config import from_hf_config
                 cfg = from_hf_config(path)
         elif params is None:
             from paxkv.model.weights import random_params
             params = random_params(cfg, jax.random.PRNGKey(seed), jdtype)
-        # Serve from the fused weight layout (two matmuls per layer instead of five); the
-        # separate tensors are dropped here so only one copy of the weights stays resident.
+        # Serve from the fused weight layout (two matmuls per layer instead of five); nothing
+        # else holds the separate tensors, so only one copy of the weights stays resident.
         from paxkv.model.fusion import fuse_projections
         params = fuse_projections(params)
-        loaded = None  # noqa: F841 - releases the checkpoint's separate tensors
         if tokenizer == "auto":
             from paxkv.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(path) if path is not None else None

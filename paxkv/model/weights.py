@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from paxkv.config import ModelConfig, from_hf_config
-from paxkv.model.fusion import FUSED_PARTS, is_fused, projection
+from paxkv.model.fusion import FUSED_PARTS, projection
 from paxkv.model.llama import init_params
 
 Params = Any
@@ -307,10 +307,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
 def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Array]]:
     """(HF name, HF-layout array) for every tensor, one at a time (either weight layout:
     fused projections are sliced apart one tensor at a time)."""
-    fused = is_fused(params)
     for spec in tensor_specs(cfg):
         try:
-            if fused and spec.path[-2] in FUSED_PARTS:
+            if spec.path[-2] in FUSED_PARTS:
                 x = projection(params[spec.path[0]], spec.path[1], spec.path[2], cfg)
             else:
                 x = _get(params, spec.path)
