@@ -15,6 +15,22 @@ def gather_sequences(pages: jax.Array, scales: jax.Array | None,
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                     scale: float) -> jax.Array:
+    """fp32 attention of each row's query heads `[N, Hq, d]` over its own keys and values
+    `[N, L, kv_heads, d]` where `visible` `[N, L]`; a row that sees nothing gives 0."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    s = jnp.einsum("nhgd,nlhd->nhgl", qg, k, precision="highest") * scale
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("nhgl,nlhd->nhgd", p, v, precision="highest") / jnp.where(den > 0, den, 1.0)
+    return o.reshape(n, num_heads, head_dim)
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               block_tables: jax.Array, context_lens: jax.Array,
                               k_scale: jax.Array | None = None,
@@ -25,19 +41,10 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         k_pages, v_pages = (jnp.moveaxis(x, 0, 2) for x in (k_pages, v_pages))
         if k_scale is not None:
             k_scale, v_scale = (jnp.moveaxis(x, 0, 2) for x in (k_scale, v_scale))
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
+    head_dim = q.shape[-1]
+    block_size = k_pages.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     k = gather_sequences(k_pages, k_scale, block_tables)
     v = gather_sequences(v_pages, v_scale, block_tables)
-    length = block_tables.shape[1] * block_size
-    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
-    s = jnp.einsum("bhgd,blhd->bhgl", qg, k, precision="highest") * scale
-    valid = jnp.arange(length)[None, :] < context_lens[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgl,blhd->bhgd", p, v, precision="highest") / jnp.where(den > 0, den, 1.0)
-    return o.reshape(batch, num_heads, head_dim).astype(q.dtype)
+    visible = jnp.arange(block_tables.shape[1] * block_size)[None, :] < context_lens[:, None]
+    return masked_attention(q, k, v, visible, scale).astype(q.dtype)

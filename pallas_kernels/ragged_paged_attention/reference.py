@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import gather_sequences
+from pallas_kernels.paged_attention.reference import gather_sequences, masked_attention
 
 
 def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -13,9 +13,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      v_scale: jax.Array | None = None, *,
                                      scale: float | None = None) -> jax.Array:
     """Same contract as `ragged_paged_attention` (rows past `cu_q_lens[-1]` are zeros)."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
+    num_tokens, _, head_dim = q.shape
+    block_size = k_pages.shape[1]
     num_seqs = block_tables.shape[0]
     scale = head_dim ** -0.5 if scale is None else scale
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -26,14 +25,6 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     pos = context_lens[seq] - q_len + (t - cu_q_lens[seq])
     k = gather_sequences(k_pages, k_scale, block_tables)[seq]     # [T, length, H, d]
     v = gather_sequences(v_pages, v_scale, block_tables)[seq]
-    length = block_tables.shape[1] * block_size
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    s = jnp.einsum("thgd,tlhd->thgl", qg, k, precision="highest") * scale
-    key = jnp.arange(length, dtype=jnp.int32)[None, :]
+    key = jnp.arange(block_tables.shape[1] * block_size, dtype=jnp.int32)[None, :]
     visible = (key <= pos[:, None]) & (key < context_lens[seq][:, None]) & real[:, None]
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thgl,tlhd->thgd", p, v, precision="highest") / jnp.where(den > 0, den, 1.0)
-    return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return masked_attention(q, k, v, visible, scale).astype(q.dtype)
