@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common, serving
-from paxkv import workloads
+from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
@@ -112,7 +112,7 @@ def _tables(rows: list[dict[str, Any]], s: configs.BlockSizeSettings, skipped: l
     g = s.engine
     counts = ", ".join(f"{n} {t}-like" for t, n in s.traces)
     notes = (
-        f"Requests: {counts} (`paxkv/workloads.py`, seed {s.seed}), prompts and outputs clipped to "
+        f"Requests: {counts} (`paxkv/sim/workloads.py`, seed {s.seed}), prompts and outputs clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, greedy with EOS ignored, all queued at "
         f"once. {serving.engine_note(g, 'at every block size')}, "
         "recompute preemption, prefix caching off. Each point is the second of two identical runs (the first "

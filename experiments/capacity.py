@@ -1,6 +1,6 @@
 """How many tokens of KV cache fit next to the weights: the memory budget behind paging.
 
-Plans the KV pool (`paxkv.capacity.plan_capacity`) for Llama-3-8B and -70B on common
+Plans the KV pool (`paxkv.sim.capacity.plan_capacity`) for Llama-3-8B and -70B on common
 accelerators with bf16 and 8-bit KV caches, and puts it beside the two reference points:
 the worked example the project started from (Llama-3-8B on a 24 GB RTX 4090: about 15 GB of
 weights, 9 GB left, 72k tokens at 128 KiB each, twice that with FP8) and the paper's Fig. 1
@@ -19,7 +19,7 @@ from absl import app, flags
 
 from configs import experiments as configs
 from experiments import common
-from paxkv.capacity import GiB, CapacityPlan, plan_capacity
+from paxkv.sim.capacity import GiB, CapacityPlan, plan_capacity
 from paxkv.config import ModelConfig, get_preset
 
 FLAGS = flags.FLAGS

@@ -43,7 +43,7 @@ from experiments import common
 from paxkv.cache import kv_pool as kvp
 from paxkv.cache import quant
 from paxkv.config import ModelConfig
-from paxkv.eval_windows import eval_windows
+from paxkv.sim.eval_windows import eval_windows
 from paxkv.model.batch import StepBatch
 from paxkv.model.dense import grouped_attention
 from paxkv.model.layers import Llama

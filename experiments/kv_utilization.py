@@ -1,7 +1,7 @@
 """How much of the reserved KV memory holds real token states (the paper's Fig. 2).
 
 Runs ShareGPT-like and Alpaca-like traces through the engine's host side (the real scheduler
-and block manager, dummy tokens, no model: `paxkv.simulate`) under each memory policy, and
+and block manager, dummy tokens, no model: `paxkv.sim.simulate`) under each memory policy, and
 measures, at every step, the share of the KV slots held by running requests that store a
 token's K/V. Paged at block sizes 8-256 (vLLM) against reservation to `max_model_len`, to
 the next power of two of the final length, and to the final length itself (the paper's
@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common
-from paxkv import workloads
-from paxkv.simulate import simulate
+from paxkv.sim import workloads
+from paxkv.sim.simulate import simulate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("setting", "cpu", ["cpu", "tiny"], "Which settings of configs/experiments.py to use.")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common, serving
-from paxkv import workloads
+from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
@@ -128,7 +128,7 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
          "requests/s"], lines)
     g = s.engine
     notes = (
-        f"Requests: {s.num_requests} {s.trace}-like (`paxkv/workloads.py`, seed {s.seed}), clipped to "
+        f"Requests: {s.num_requests} {s.trace}-like (`paxkv/sim/workloads.py`, seed {s.seed}), clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, greedy with EOS ignored, all queued at "
         f"once. {serving.engine_note(g, 'at every block size')}, "
         f"host swap space {s.swap_space_gib:g} GiB (a swap falls back to recompute when it is full: the \"by swap / "

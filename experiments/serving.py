@@ -27,7 +27,7 @@ from absl import flags
 
 from configs import experiments as configs
 from experiments import common
-from paxkv.workloads import Request
+from paxkv.sim.workloads import Request
 
 T = TypeVar("T")
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common, serving
-from paxkv import workloads
+from paxkv.sim import workloads
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -151,7 +151,7 @@ def _tables(rows: list[dict[str, Any]], s: configs.SharingSettings, skipped: lis
          "preemptions shared / unshared"], lines)
     g = s.engine
     notes = (
-        f"Requests: {s.num_requests} {s.trace}-like prompts (`paxkv/workloads.py`, seed {s.seed}), clipped to "
+        f"Requests: {s.num_requests} {s.trace}-like prompts (`paxkv/sim/workloads.py`, seed {s.seed}), clipped to "
         f"{s.max_prompt_len} / {s.max_output_len} tokens, random token ids, EOS ignored, all queued at once; every "
         f"sample and beam generates the trace's output length. Parallel samples use temperature {s.temperature:g} "
         f"with per-sample seeds. {serving.engine_note(g, f'in blocks of {g.block_size}')}, "

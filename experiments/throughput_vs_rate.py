@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common, serving
-from paxkv import workloads
+from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
@@ -213,7 +213,7 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
     table += "\n\n## Every rate\n\n" + common.markdown_table(cols, lines)
     g = s.engine
     notes = (
-        f"Trace: {s.trace}-like requests (`paxkv/workloads.py`), prompts clipped to {s.max_prompt_len} and "
+        f"Trace: {s.trace}-like requests (`paxkv/sim/workloads.py`), prompts clipped to {s.max_prompt_len} and "
         f"outputs to {s.max_output_len} tokens, random token ids, greedy with EOS ignored so every request "
         f"generates exactly its length; Poisson arrivals over {s.window_s:g} s (at least {s.min_requests} "
         f"requests) per rate. {serving.engine_note(g, f'in blocks of {g.block_size}')}, so the static policy runs at most {static_capacity(g)} requests "

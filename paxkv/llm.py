@@ -1,459 +1,24 @@
-"""LLM (offline API) and LLMEngine (add_request / step / abort), vLLM's shapes.
-
-The engine is host code: it validates requests, asks the scheduler what to run, hands the
-runner padded work, and turns sampled ids into sequences, stop decisions and outputs.
-Parallel samples (n, best_of) are forks of one prefilled prompt that share its blocks.
+"""LLM: the offline API (vLLM's shape). It builds the engine: loads the model, sizes the KV
+pool, makes the runner, and drives `LLMEngine` to completion in `generate`.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
 import os
-import random
-import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-from paxkv.cache.block_manager import BlockManager
 from paxkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from paxkv.engine.scheduler import Scheduler
-from paxkv.engine.sequence import Sequence as Seq
-from paxkv.engine.sequence import SequenceStatus
-from paxkv.metrics import Metrics, StepStats
-from paxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paxkv.engine.beam_search import BeamSearchOutput, run_beam_search
+from paxkv.engine.llm_engine import LLMEngine, Prompt
+from paxkv.metrics import Metrics
+from paxkv.outputs import RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("paxkv")
 
-Prompt = str | Sequence[int]
-
-
-@dataclasses.dataclass
-class _Request:
-    """Engine-side state of one request: its samples (forks) and how to finish them."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    base_seed: int
-    samples: list[Seq]
-    texts: dict[int, str] = dataclasses.field(default_factory=dict)
-    logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
-    forked: bool = False
-    aborted: bool = False
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-    beam: Any = None            # BeamState for beam-search requests
-    timing: RequestMetrics | None = None
-
-    def sample_seed(self, index: int) -> int:
-        """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""
-        if index == 0:
-            return self.base_seed
-        return (self.base_seed * 1_000_003 + index * 7919) % (2**31 - 1)
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        return self.forked_or_single and all(s.status.is_finished() for s in self.samples)
-
-    @property
-    def forked_or_single(self) -> bool:
-        return self.forked or self.params.best_of == 1
-
-
-class LLMEngine:
-    """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
-
-    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None,
-                 num_blocks: int, num_host_blocks: int) -> None:
-        self.config = config
-        self.model_config: ModelConfig = config.model
-        self.runner = runner
-        self.tokenizer = tokenizer
-        sc, cc = config.scheduler, config.cache
-        self.max_model_len = sc.max_model_len
-        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host_blocks,
-                                          enable_prefix_caching=cc.enable_prefix_caching,
-                                          watermark=sc.watermark)
-        self.scheduler = Scheduler(sc, self.block_manager, cc.block_size)
-        self.metrics = Metrics(num_blocks=num_blocks)
-        self.requests: dict[str, _Request] = {}
-        self._owner: dict[int, tuple[_Request, int]] = {}
-        self._seq_ids = itertools.count()
-        self._rng = random.Random(config.seed)
-        self._aborted_outputs: list[RequestOutput] = []
-        self._beam_results: dict[str, _Request] = {}
-        self._step_index = 0
-        self.num_scheduler_steps = max(1, int(getattr(config, "num_scheduler_steps", 1)))
-        eos = set(self.model_config.eos_token_ids)
-        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-
-    # ---- requests -------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
-        return None, ids
-
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
-                             f"{self.max_model_len}")
-
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
-        vocab = self.model_config.vocab_size
-        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError("stop_token_ids holds an id outside the vocabulary")
-        base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
-        now = time.monotonic() if arrival_time is None else arrival_time
-        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
-        req = _Request(request_id, text, ids, params, base_seed, [seq], timing=RequestMetrics(now))
-        self.requests[request_id] = req
-        self._owner[seq.seq_id] = (req, 0)
-        self.scheduler.add_seq(seq)
-
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stop a request now: its blocks return to the pool before the next step."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            self.scheduler.abort_request(rid)
-            for s in req.samples:
-                if not s.status.is_finished():
-                    s.status = SequenceStatus.FINISHED_ABORTED
-                    s.finish_reason = "abort"
-            req.aborted = True
-            self._aborted_outputs.append(self._make_output(req))
-            self._retire(req)
-
-    def add_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> str:
-        """Queue one beam-search request; its beams are forks sharing the prompt's blocks."""
-        from paxkv.beam_search import BeamState
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        request_id = f"beam-{next(self._seq_ids)}"
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
-        seq = Seq(next(self._seq_ids), request_id, ids, params, time.monotonic())
-        req = _Request(request_id, text, ids, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
-                       0, [seq])
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        req.beam = BeamState(seq, params.beam_width, max_tokens, params.length_penalty,
-                             params.early_stopping, eos)
-        self.requests[request_id] = req
-        self._owner[seq.seq_id] = (req, 0)
-        self.scheduler.add_seq(seq)
-        return request_id
-
-    def pop_beam_result(self, request_id: str) -> Any:
-        req = self._beam_results.pop(request_id)
-        decode = None
-        if self.tokenizer is not None:
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return req.beam.result(req.prompt_token_ids, decode)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    # ---- the step ---------------------------------------------------------------------------
-    def _rows_for(self, chunk_index: int, seq: Seq) -> list[Any]:
-        """Sampling rows for a chunk that reaches its sequence's last token."""
-        from paxkv.runner import SampleRow
-        req, index = self._owner[seq.seq_id]
-        p = req.params
-        if req.beam is not None:   # greedy row + the top-K continuations of this beam
-            return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
-        n_out = seq.num_output_tokens
-        banned: tuple[int, ...] = ()
-        if n_out < p.min_tokens:
-            banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
-        indices = (index,)
-        if not req.forked and p.best_of > 1:
-            indices = tuple(range(p.best_of))   # first token of every sample from one prefill
-        return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
-                          n_out, banned, p.logprobs or 0) for i in indices]
-
-    def step(self, only_finished: bool = False) -> list[RequestOutput]:
-        """Schedule, run one device step, sample, stop; return the requests that changed.
-
-        `only_finished` skips building outputs of unfinished requests (generate() needs
-        only finished ones, and at batch 256 building the rest is a real share of host time).
-        """
-        from paxkv.runner import WorkItem
-        t_start = time.perf_counter()
-        out = self.scheduler.schedule()
-        schedule_s = time.perf_counter() - t_start
-        python_extra = 0.0
-        changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
-        self._aborted_outputs = []
-        device_s = compile_s = 0.0
-        # Block movement first, in this order, even on a step with nothing to compute.
-        self.runner.swap_out(out.blocks_to_swap_out)
-        self.runner.swap_in(out.blocks_to_swap_in)
-        self.runner.copy_blocks(out.blocks_to_copy)
-        k = self._multi_step_count(out)
-        if k > 1:
-            device_s, compile_s, python_extra = self._multi_decode(out, k, changed, only_finished)
-        elif out.chunks:
-            items, rows, row_owner = [], [], []
-            for i, c in enumerate(out.chunks):
-                seq = c.seq
-                if c.is_prefill:
-                    req = self._owner[seq.seq_id][0]
-                    if req.num_cached_tokens is None:   # its first chunk starts after the hit
-                        req.num_cached_tokens = c.start
-                items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
-                                      seq.block_table))
-                if c.needs_sample:
-                    r = self._rows_for(i, seq)
-                    rows.extend(r)
-                    row_owner.extend([seq] * len(r))
-            t_build = time.perf_counter()
-            sample, timing = self.runner.execute(items, rows)
-            t_post = time.perf_counter()
-            device_s, compile_s = timing.device_s, timing.compile_s
-            self.scheduler.on_step_done(out)
-            self._apply_samples(sample, rows, row_owner, changed, only_finished)
-            python_extra = (t_build - t_start - schedule_s) + timing.pack_s + (time.perf_counter() - t_post)
-        wall = time.perf_counter() - t_start
-        bm = self.block_manager
-        self.metrics.record(StepStats(
-            step=self._step_index, num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting, num_swapped=self.scheduler.num_swapped,
-            num_seqs_scheduled=len(out.chunks), num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens * max(1, k), num_preemptions=len(out.preempted),
-            blocks_used=bm.num_used_blocks, blocks_free=bm.num_available_blocks,
-            blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
-            device_s=device_s, compile_s=compile_s, wall_s=wall,
-            python_s=0.0 if compile_s else schedule_s + python_extra))
-        self.metrics.prefix_cache_queries = bm.prefix_cache_queries
-        self.metrics.prefix_cache_hits = bm.prefix_cache_hits
-        self._step_index += 1
-        return list(changed.values())
-
-    def _multi_step_count(self, out: Any) -> int:
-        """How many decode steps to run in one device call (1 = an ordinary step).
-
-        Several steps per host round trip only when the batch is plain decoding: no block
-        movement, no pending fork (n > 1 before its first token), no beams, no logprobs or
-        min_tokens bans, and room in the pool for every sequence's next k tokens.
-        """
-        k = self.num_scheduler_steps
-        if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
-            return 1
-        if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
-            return 1
-        longest = 0
-        for c in out.chunks:
-            req, _ = self._owner[c.seq.seq_id]
-            p = req.params
-            if (c.num_tokens != 1 or not c.needs_sample or req.beam is not None
-                    or not req.forked_or_single or p.logprobs is not None
-                    or c.seq.num_output_tokens < p.min_tokens):
-                return 1
-            longest = max(longest, c.seq.num_tokens)
-        k = min(k, self.max_model_len - longest + 1)
-        if k <= 1:
-            return 1
-        bm = self.block_manager
-        if bm.blocks_needed(tuple((c.seq, k) for c in out.chunks)) > bm.num_available_blocks:
-            return 1
-        return k
-
-    def _multi_decode(self, out: Any, k: int, changed: dict[str, RequestOutput],
-                      only_finished: bool) -> tuple[float, float, float]:
-        """Run k decode steps in one device call, then replay them on the host in order."""
-        from paxkv.runner import WorkItem
-        t_reserve = time.perf_counter()
-        copies = []
-        for c in out.chunks:   # reserve slots for all k tokens (copy-on-write if shared)
-            copies += self.block_manager.append_slots(c.seq, k)
-        self.runner.copy_blocks(copies)
-        items, rows, seqs = [], [], []
-        for i, c in enumerate(out.chunks):
-            seq = c.seq
-            items.append(WorkItem(seq.token_ids[c.start:c.start + 1], c.start, seq.block_table))
-            rows.extend(self._rows_for(i, seq))
-            seqs.append(seq)
-        t_build = time.perf_counter()
-        sample, timing = self.runner.execute_multi_decode(items, rows, k)
-        t_post = time.perf_counter()
-        tokens = sample.tokens.tolist()
-        logprobs = sample.logprobs.tolist()
-        touched: dict[str, _Request] = {}
-        for j in range(k):
-            if j == 0:
-                self.scheduler.on_step_done(out)
-            else:
-                self.scheduler.on_extra_decode_step(seqs)
-            for i, seq in enumerate(seqs):
-                if seq.status.is_finished():
-                    continue   # stopped at an earlier step: its later tokens are discarded
-                req, _ = self._owner[seq.seq_id]
-                self._append(req, seq, tokens[j][i], logprobs[j][i], (), ())
-                touched[req.request_id] = req
-        self._finish_touched(touched, changed, only_finished)
-        python_s = (t_build - t_reserve) + timing.pack_s + (time.perf_counter() - t_post)
-        return timing.device_s, timing.compile_s, python_s
-
-    def _apply_samples(self, sample: Any, rows: list[Any], row_owner: list[Seq],
-                       changed: dict[str, RequestOutput], only_finished: bool = False) -> None:
-        tokens = sample.tokens.tolist()
-        logprobs = sample.logprobs.tolist()
-        touched: dict[str, _Request] = {}
-        beams: dict[str, _Request] = {}
-        r = 0
-        while r < len(rows):
-            seq = row_owner[r]
-            req, index = self._owner[seq.seq_id]
-            if req.beam is not None:
-                req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
-                beams[req.request_id] = req
-                r += 1
-                continue
-            group = 1
-            if not req.forked and req.params.best_of > 1:
-                group = req.params.best_of
-                children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(group - 1)]
-                for j, child in enumerate(children, start=1):
-                    req.samples.append(child)
-                    self._owner[child.seq_id] = (req, j)
-                req.forked = True
-            for j in range(group):
-                target = req.samples[j] if group > 1 else seq
-                self._append(req, target, tokens[r + j], logprobs[r + j],
-                             sample.top_ids[r + j], sample.top_logprobs[r + j])
-            touched[req.request_id] = req
-            r += group
-        for rid, req in beams.items():
-            if req.beam.ready():
-                req.beam.advance(self._fork_beam, self._drop_beam)
-                if req.beam.done:
-                    self._beam_results[rid] = req
-                    self._retire(req)
-        self._finish_touched(touched, changed, only_finished)
-
-    def _finish_touched(self, touched: dict[str, _Request], changed: dict[str, RequestOutput],
-                        only_finished: bool) -> None:
-        now = time.monotonic()
-        for rid, req in touched.items():
-            if req.timing is not None and req.timing.first_token_time is None:
-                req.timing.first_token_time = now
-            finished = req.finished
-            if finished and req.timing is not None:
-                req.timing.finished_time = now
-            if finished or not only_finished:
-                changed[rid] = self._make_output(req)
-            if finished:
-                self.metrics.num_requests_finished += 1
-                self._retire(req)
-
-    def _fork_beam(self, parent: Seq) -> Seq:
-        child = self.scheduler.fork(parent, next(self._seq_ids))
-        req, _ = self._owner[parent.seq_id]
-        req.samples.append(child)
-        self._owner[child.seq_id] = (req, len(req.samples) - 1)
-        return child
-
-    def _drop_beam(self, seq: Seq) -> None:
-        if not seq.status.is_finished():
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-
-    def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids: Any,
-                top_lps: Any) -> None:
-        p = req.params
-        seq.append_token(token, logprob)
-        self.metrics.num_output_tokens += 1
-        if p.logprobs is not None:
-            entry = {token: logprob}
-            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:p.logprobs], top_lps[:p.logprobs])})
-            req.logprobs.setdefault(seq.seq_id, []).append(entry)
-        status, reason = self._check_stop(req, seq, token)
-        if status is not None:
-            seq.finish_reason = "stop" if status == SequenceStatus.FINISHED_STOPPED else "length"
-            seq.stop_reason = reason
-            self.scheduler.finish(seq, status)
-
-    def _check_stop(self, req: _Request, seq: Seq, token: int) -> tuple[SequenceStatus | None, Any]:
-        p = req.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, None
-            if token in p.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_token_ids)
-                for s in p.stop:
-                    at = text.find(s)
-                    if at >= 0:
-                        req.texts[seq.seq_id] = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
-                        return SequenceStatus.FINISHED_STOPPED, s
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None, None
-
-    def _retire(self, req: _Request) -> None:
-        self.requests.pop(req.request_id, None)
-        for s in req.samples:
-            self._owner.pop(s.seq_id, None)
-
-    def _make_output(self, req: _Request) -> RequestOutput:
-        p = req.params
-        comps = []
-        for i, s in enumerate(req.samples):
-            text = req.texts.get(s.seq_id)
-            if text is None:
-                text = (self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
-                        if (self.tokenizer is not None and p.detokenize) else "")
-            comps.append(CompletionOutput(
-                index=i, text=text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=req.logprobs.get(s.seq_id) if p.logprobs is not None else None,
-                finish_reason=s.finish_reason if s.status.is_finished() else None,
-                stop_reason=s.stop_reason))
-        finished = req.aborted or req.finished
-        if finished and p.best_of > p.n and not req.aborted:
-            comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
-            comps = comps[:p.n]
-            for i, c in enumerate(comps):
-                c.index = i
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens or 0, req.timing)
+__all__ = ["LLM", "LLMEngine"]
 
 
 def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:
@@ -485,12 +50,21 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
                  scheduler: str = "continuous", attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
-                 tokenizer: Any = "auto", num_scheduler_steps: int = 1) -> None:
+                 tokenizer: Any = "auto", num_scheduler_steps: int = 1,
+                 async_scheduling: bool = True, compilation_cache_dir: str | None = "auto") -> None:
+        """`async_scheduling`: dispatch step t+1 before reading step t (the fast path; False
+        gives the synchronous engine, same outputs). `compilation_cache_dir`: JAX's
+        persistent compilation cache ("auto": `PAXKV_COMPILATION_CACHE_DIR` or the user
+        cache directory; None or "off": no cache; see `paxkv/runner/compile_cache.py`)."""
         import jax
         import jax.numpy as jnp
 
         from paxkv.model.attention import resolve_backend
         from paxkv.runner import Runner
+        from paxkv.runner.compile_cache import enable_compilation_cache
+        from paxkv.runner.memory import num_kv_blocks
+
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
 
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
@@ -539,12 +113,13 @@ class LLM:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
         self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
                                    tensor_parallel_size=tensor_parallel_size, seed=seed,
-                                   num_scheduler_steps=num_scheduler_steps)
+                                   num_scheduler_steps=num_scheduler_steps,
+                                   async_scheduling=async_scheduling)
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
         bytes_per_block = block_bytes(cfg, block_size, kv_dtype)
-        num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu, profile=dict(
+        num_blocks = num_kv_blocks(cache, params, bytes_per_block, profile=dict(
             cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=max_model_len))
@@ -566,28 +141,6 @@ class LLM:
                         fixed_shapes=on_gpu)
         self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
         self._request_counter = itertools.count()
-
-    @staticmethod
-    def _num_blocks(cache: CacheConfig, params: Any, bytes_per_block: float, on_gpu: bool,
-                    profile: dict[str, Any]) -> int:
-        """Override, else profile the accelerator once (weights + the largest step's
-        activations, as vLLM does) and give the KV pool the rest, else the CPU default."""
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        if not on_gpu:
-            return cache.cpu_default_num_blocks
-        import jax
-
-        from paxkv.runner import profile_activation_bytes
-        activations = profile_activation_bytes(params=params, **profile)
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit", 0)
-        weights = stats.get("bytes_in_use", 0)
-        # 5% of the budget stays free for XLA's scratch space and fragmentation.
-        free = limit * cache.gpu_memory_utilization * 0.95 - weights - activations
-        logger.info("KV pool sizing: limit %.1f GiB, in use %.1f GiB, activations %.2f GiB",
-                    limit / 2**30, weights / 2**30, activations / 2**30)
-        return max(2, int(free // bytes_per_block))
 
     @property
     def metrics(self) -> Metrics:
@@ -611,11 +164,15 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.llm_engine
-        ids = []
-        for prompt, sp in zip(prompts, sampling_params):
-            rid = str(next(self._request_counter))
-            engine.add_request(rid, prompt, sp)
-            ids.append(rid)
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, sampling_params):
+                rid = str(next(self._request_counter))
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+        except Exception:
+            engine.discard_requests(ids)   # all or nothing: no half-added call stays queued
+            raise
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -636,9 +193,22 @@ class LLM:
         logger.info("generate: %s", engine.metrics.format_summary())
         return [results[r] for r in ids]
 
-    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[Any]:
-        from paxkv.beam_search import run_beam_search
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         return run_beam_search(self.llm_engine, prompts, params)
+
+    def shutdown(self) -> None:
+        """Release the device memory (weights, KV pool) now; the LLM is unusable after."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is None:
+            return
+        engine.shutdown()
+        self.llm_engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def _kv_dtype(name: str) -> Any:

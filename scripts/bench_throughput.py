@@ -50,6 +50,10 @@ flags.DEFINE_list("latency_steps", [], "with --latency, also time one stream at 
                   "num_scheduler_steps values (e.g. 1,32)")
 flags.DEFINE_float("mem_fraction", None, "XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.55 with "
                    "--compare, leaving PyTorch room; else 0.92)")
+flags.DEFINE_list("settings", [], "compare engine settings side by side instead: each "
+                  "'name:key=value;key=value' builds LLM(model, **those) with nothing else set "
+                  "('defaults:' = LLM's own defaults) and runs one stream (128 in / 512 out) and "
+                  "the fixed workload on it")
 flags.DEFINE_string("out_dir", "results/throughput", "where the json and markdown go")
 flags.DEFINE_float("deadline_s", 1e9, "skip the parts that would start after this many seconds")
 
@@ -73,7 +77,7 @@ def copy_bandwidth() -> dict[str, float]:
 def make_requests(name: str, vocab: int, num: int, seed: int) -> list[tuple[list[int], int]]:
     import numpy as np
 
-    from paxkv import workloads
+    from paxkv.sim import workloads
     if name == "fixed":
         trace = workloads.fixed(num, FLAGS.input_len, FLAGS.output_len, seed=seed)
     else:
@@ -255,6 +259,66 @@ def latency_run(llm, cfg, bw: dict) -> dict:
             "host_share": engine.metrics.summary()["host_share"]}
 
 
+def parse_setting(spec: str) -> tuple[str, dict]:
+    """'name:key=value;key=value' -> (name, kwargs) with ints, floats and bools parsed."""
+    name, _, rest = spec.partition(":")
+    kwargs: dict = {}
+    for part in filter(None, rest.split(";")):
+        key, _, value = part.partition("=")
+        for parse in (int, float):
+            try:
+                kwargs[key] = parse(value)
+                break
+            except ValueError:
+                pass
+        else:
+            kwargs[key] = {"True": True, "False": False}.get(value, value)
+    return name, kwargs
+
+
+def run_settings(result: dict, save) -> None:
+    """Each setting in a fresh LLM (the previous one shut down first): one stream, then the
+    fixed workload, then the host share at full batch. Compilation stays out of the clock."""
+    import jax
+
+    from paxkv import LLM
+    bw = result.get("bandwidth", {"ceiling_TBps": float("nan")})
+    rows = result.setdefault("settings", {})
+    for spec in FLAGS.settings:
+        name, kwargs = parse_setting(spec)
+        t = time.perf_counter()
+        llm = LLM(FLAGS.model, tokenizer=None, seed=FLAGS.seed, **kwargs)
+        jax.block_until_ready(llm.llm_engine.runner.params)
+        row = {"kwargs": kwargs, "setup_s": time.perf_counter() - t,
+               "num_kv_blocks": llm.llm_engine.metrics.num_blocks - 1}
+        engine, cfg = llm.llm_engine, llm.llm_engine.model_config
+        row["latency"] = latency_run(llm, cfg, bw)
+        print(name, "latency", row["latency"], flush=True)
+        warm = make_requests("fixed", cfg.vocab_size, min(256, FLAGS.num_prompts), 99)
+        run_engine(engine, [(p, 4) for p, _ in warm], "warmup")
+        reqs = make_requests("fixed", cfg.vocab_size, FLAGS.num_prompts, FLAGS.seed)
+        row["fixed"] = run_engine(engine, reqs, f"{name}-fixed")
+        row["host_at_full_batch"] = host_share_at_full_batch(engine)
+        row["compilations"] = engine.runner.num_compilations
+        row["compile_s"] = engine.runner.compile_time_s
+        print(name, json.dumps(row["fixed"]), row["host_at_full_batch"], flush=True)
+        rows[name] = row
+        save()
+        llm.shutdown()
+    best_lat = max(r["latency"]["output_tokens_per_s"] for r in rows.values())
+    best_thr = max(r["fixed"]["requests_per_s"] for r in rows.values())
+    lines = ["| setting | engine arguments | one stream tok/s | vs best | 1000 x 256/256 req/s | vs best "
+             "| host share at full batch | KV blocks |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows.items():
+        lat, thr = r["latency"]["output_tokens_per_s"], r["fixed"]["requests_per_s"]
+        args = ", ".join(f"{k}={v}" for k, v in r["kwargs"].items()) or "(none)"
+        lines.append(f"| {name} | {args} | {lat:.1f} | {lat / best_lat:.3f} | {thr:.2f} | "
+                     f"{thr / best_thr:.3f} | {r['host_at_full_batch']['host_share']:.3f} | "
+                     f"{r['num_kv_blocks']} |")
+    result["settings_table"] = "\n".join(lines)
+    print(result["settings_table"], flush=True)
+
+
 def main(argv):
     del argv
     frac = FLAGS.mem_fraction or (0.55 if FLAGS.compare else 0.92)
@@ -262,7 +326,7 @@ def main(argv):
     import jax
 
     from paxkv import LLM
-    from paxkv.llm import LLMEngine
+    from paxkv.engine.llm_engine import LLMEngine
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     result: dict = {"command": " ".join(sys.argv), "jax": jax.__version__,
                     "device": str(jax.devices()[0].device_kind), "flags": {
@@ -288,6 +352,11 @@ def main(argv):
     if on_gpu:
         result["bandwidth"] = copy_bandwidth()
         print("bandwidth", result["bandwidth"], flush=True)
+    if FLAGS.settings:
+        run_settings(result, save)
+        save()
+        print(f"wrote {out_path}")
+        return
     t = time.perf_counter()
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, block_size=FLAGS.block_size,
               gpu_memory_utilization=FLAGS.gpu_memory_utilization,

@@ -9,14 +9,18 @@ benchmark's steady state: `--batch` sequences of 512 prompt tokens decoding toge
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
 from absl import app, flags
 
 from paxkv.config import PRESETS, CacheConfig, EngineConfig, SchedulerConfig
-from paxkv.llm import LLMEngine
-from paxkv.runner import HostSample, Runner, StepTiming, pow2_buckets
+from paxkv.engine.llm_engine import LLMEngine
+from paxkv.engine.step_io import HostSample, StepTiming
+from paxkv.runner import Runner
+from paxkv.runner.buckets import pow2_buckets
 from paxkv.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -49,11 +53,21 @@ class StubRunner(Runner):
         return (HostSample(np.full(shape, 7, np.int32), np.zeros(shape, np.float32),
                            np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)), StepTiming())
 
-    def execute(self, items, rows):
-        return self._stub(items, rows, 1)
+    def dispatch(self, items, rows):
+        return _StubPending(*self._stub(items, rows, 1))
 
-    def execute_multi_decode(self, items, rows, num_steps):
-        return self._stub(items, rows, num_steps)
+    def dispatch_multi_decode(self, items, rows, num_steps):
+        return _StubPending(*self._stub(items, rows, num_steps))
+
+    def fetch(self, pending):
+        return pending.host, pending.timing
+
+
+@dataclasses.dataclass
+class _StubPending:
+    host: HostSample
+    timing: StepTiming
+    compile_s: float = 0.0
 
 
 def main(argv: list[str]) -> None:

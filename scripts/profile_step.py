@@ -113,7 +113,8 @@ def profile_batch(runner, b: int) -> dict:
     """Synchronous, back-to-back, multi-step and traced timings of one decode step at batch b."""
     import jax
 
-    from paxkv.runner import SampleRow, WorkItem, _jit_step, _pack_inputs
+    from paxkv.engine.step_io import SampleRow, WorkItem
+    from paxkv.runner.runner import _jit_step, _pack_inputs
     cfg, bs = runner.cfg, runner.block_size
     per_seq = FLAGS.context // bs + 2 + FLAGS.multi_steps // bs + 2
     items = [WorkItem([7 + i], FLAGS.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
@@ -133,17 +134,18 @@ def profile_batch(runner, b: int) -> dict:
     pool = runner.kv_pool
     kw = dict(spec=spec, cfg=cfg, backend=runner.backend, decode_only=decode_only,
               all_greedy=all_greedy, num_logprobs=k)
-    res, pool = _jit_step(runner.params, pool, inputs, **kw)
+    prev = runner._last_tokens
+    res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)
     jax.block_until_ready(res)
     dispatch = []
     t = time.perf_counter()
     for _ in range(FLAGS.reps):
         td = time.perf_counter()
-        res, pool = _jit_step(runner.params, pool, inputs, **kw)
+        res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)
         dispatch.append(time.perf_counter() - td)
     jax.block_until_ready(res)
     back_to_back = (time.perf_counter() - t) / FLAGS.reps
-    runner.kv_pool = pool
+    runner.kv_pool, runner._last_tokens = pool, prev
     row = {"batch": b, "context": FLAGS.context, "sync_step_ms": 1e3 * statistics.median(sync),
            "back_to_back_step_ms": 1e3 * back_to_back,
            "dispatch_ms": 1e3 * statistics.median(dispatch)}
@@ -174,7 +176,7 @@ def main(argv):
     import jax
 
     from paxkv import LLM
-    from paxkv.runner import pick_bucket, pow2_buckets
+    from paxkv.runner.buckets import pick_bucket, pow2_buckets
 
     result: dict = {"command": " ".join(sys.argv), "jax": jax.__version__,
                     "device": str(jax.devices()[0].device_kind)}

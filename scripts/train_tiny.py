@@ -35,7 +35,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from paxkv.eval_windows import eval_windows  # noqa: E402
+from paxkv.sim.eval_windows import eval_windows  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("corpus_dir", "scratch/tiny_corpus", "Output of prepare_tiny_corpus.py.")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from paxkv.cache.block_manager import BlockManager
 from paxkv.engine.scheduler import ScheduledChunk
 from paxkv.engine.sequence import Sequence, SequenceStatus
-from paxkv.engine.kv_check import KVContentModel
+from paxkv.testing.kv_check import KVContentModel
 
 BS = 4
 

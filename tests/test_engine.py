@@ -80,7 +80,7 @@ def test_no_compilations_in_steady_state(checkpoint, workload):
     assert first > 0
     llm.generate(prompts[:12], params[:12], use_tqdm=False)
     assert runner.num_compilations == first
-    from paxkv.runner import _jit_step
+    from paxkv.runner.runner import _jit_step
     if hasattr(_jit_step, "_cache_size"):  # JAX's own count agrees: nothing new was traced
         size = _jit_step._cache_size()
         llm.generate(prompts[:12], params[:12], use_tqdm=False)

@@ -57,7 +57,7 @@ def test_capacity_cpu(tmp_path):
 
 def _trace_outputs(name: str, num: int, seed: int, max_prompt: int, max_output: int, rate: float = float("inf")):
     from experiments.serving import clip_trace
-    from paxkv import workloads
+    from paxkv.sim import workloads
     return clip_trace(workloads.make_trace(name, num, seed, rate=rate), max_prompt, max_output)
 
 

@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import assert_no_leaks
 from paxkv.cache import kv_pool as kvp
 from paxkv.cache import quant
-from paxkv.capacity import plan_capacity
+from paxkv.sim.capacity import plan_capacity
 from paxkv.config import PRESETS, ModelConfig
 from paxkv.model.attention import reference_attention
 from paxkv.model.batch import StepBatch

@@ -16,7 +16,8 @@ from paxkv.cache import kv_pool as kvp
 from paxkv.config import ModelConfig
 from paxkv.model.dense import dense_forward
 from paxkv.model.llama import forward, init_params
-from paxkv.runner import Runner, WorkItem
+from paxkv.engine.step_io import WorkItem
+from paxkv.runner import Runner
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256)

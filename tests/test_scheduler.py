@@ -15,7 +15,7 @@ from paxkv.cache.block_manager import BlockManager
 from paxkv.config import SchedulerConfig
 from paxkv.engine.scheduler import Scheduler, SchedulerOutput
 from paxkv.engine.sequence import Sequence, SequenceStatus
-from paxkv.engine.kv_check import CheckRequest, KVContentModel, run_checked
+from paxkv.testing.kv_check import CheckRequest, KVContentModel, run_checked
 
 BS = 4
 

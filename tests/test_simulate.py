@@ -1,8 +1,8 @@
 """The simulated engine: exact memory accounting on hand-worked cases, and whole traces."""
 import pytest
 
-from paxkv import workloads as wl
-from paxkv.simulate import POLICIES, next_pow2, simulate
+from paxkv.sim import workloads as wl
+from paxkv.sim.simulate import POLICIES, next_pow2, simulate
 
 
 def _one(policy):

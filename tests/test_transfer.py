@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxkv import transfer
+from paxkv.runner import transfer
 
 
 def _arrays(rng):

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from paxkv import workloads as wl
-from paxkv.capacity import GiB, plan_capacity
+from paxkv.sim import workloads as wl
+from paxkv.sim.capacity import GiB, plan_capacity
 from paxkv.config import PRESETS
 
 

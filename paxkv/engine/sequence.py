@@ -13,6 +13,12 @@ Token accounting, the one rule everything else follows:
 
 A decode step computes exactly one token: the last sampled one. A prefill computes several:
 the prompt, or after a recompute preemption the prompt and every output so far.
+
+Asynchronous scheduling: the engine schedules step t+1 before it has read step t's tokens.
+Each token sampled at step t is first appended as a *placeholder*, a negative id
+`-(row + 1)` naming the sampling row of step t that holds it on the device; the runner
+substitutes it there, and the engine resolves it on the host one step later. Placeholders
+are only ever the last token, and only for one step (`num_pending_tokens` is 0 or 1).
 """
 from __future__ import annotations
 
@@ -90,6 +96,7 @@ class Sequence:
         # Batch slots to reserve while the request has not forked yet (n > 1, beams).
         self.fanout = fanout if fanout is not None else infer_fanout(params)
         self.num_preemptions = 0
+        self.num_pending_tokens = 0   # trailing placeholder tokens (async scheduling)
         # Owned by the BlockManager.
         self.block_table: list[int] = []
         self.block_hashes: list[tuple[int | None, tuple[int, ...]]] = []
@@ -138,6 +145,21 @@ class Sequence:
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += float(logprob)
 
+    def append_placeholder(self, row: int) -> None:
+        """Append the token that sampling row `row` of the step in flight will produce."""
+        self.token_ids.append(-(row + 1))
+        self.output_logprobs.append(0.0)
+        self.num_pending_tokens += 1
+
+    def resolve_placeholder(self, token_id: int, logprob: float = 0.0) -> None:
+        """The placeholder (the last token) became known: store its id and logprob."""
+        if not self.num_pending_tokens or self.token_ids[-1] >= 0:
+            raise RuntimeError(f"sequence {self.seq_id} has no placeholder to resolve")
+        self.token_ids[-1] = int(token_id)
+        self.output_logprobs[-1] = logprob
+        self.cumulative_logprob += float(logprob)
+        self.num_pending_tokens -= 1
+
     def fork(self, new_seq_id: int) -> "Sequence":
         """A copy with its own token list; the block table is left to `BlockManager.fork`.
 
@@ -154,6 +176,7 @@ class Sequence:
         child.stop_reason = None
         child.fanout = 1
         child.num_preemptions = 0
+        child.num_pending_tokens = 0
         return child
 
     def __repr__(self) -> str:

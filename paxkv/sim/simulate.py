@@ -38,7 +38,7 @@ from paxkv.cache.block_manager import BlockManager
 from paxkv.config import SchedulerConfig
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence, SequenceStatus
-from paxkv.workloads import Request
+from paxkv.sim.workloads import Request
 
 POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle", "static")
 _DUMMY_TOKEN = 1

@@ -10,7 +10,7 @@ block reused for the wrong prefix, a block freed while still in use, a bad swap 
 `run_checked()` drives a whole workload with fake sampled tokens and checks the contents and
 the block manager's invariants after every step; the fake tokens depend only on the request
 and its fork index, so every policy and pool size must produce the same outputs. (For
-memory-policy studies at scale, without the content checks, see `paxkv.simulate`.)
+memory-policy studies at scale, without the content checks, see `paxkv.sim.simulate`.)
 """
 from __future__ import annotations
 

@@ -122,8 +122,7 @@ class BeamState:
         return BeamSearchOutput(seqs)
 
 
-def run_beam_search(engine: Any, prompts: Sequence[Any], params: Any,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def run_beam_search(engine: Any, prompts: Sequence[Any], params: Any) -> list[BeamSearchOutput]:
     """Beam-search every prompt concurrently through the engine; outputs in input order."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]

@@ -11,76 +11,21 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv import transfer
 from paxkv.cache import kv_pool as kvp
 from paxkv.config import ModelConfig
+from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
+from paxkv.runner import transfer
+from paxkv.runner.buckets import pick_bucket, pow2_buckets
 from paxkv.sampler import SamplingTensors, sample
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
-
-
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from lo up to (and including) hi, hi itself as the last bucket."""
-    out, b = [], max(1, lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return out
-
-
-def pick_bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass
-class WorkItem:
-    """One scheduled chunk, as the runner needs it: tokens to compute and where they go."""
-
-    token_ids: Sequence[int]     # the tokens computed this step
-    start: int                   # position of the first of them
-    block_table: Sequence[int]
-
-
-class SampleRow(NamedTuple):
-    """One token to sample, from the logits of work item `item` (a tuple: cheap to build)."""
-
-    item: int
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    step: int = 0
-    banned: Sequence[int] = ()
-    num_logprobs: int = 0
-
-
-@dataclasses.dataclass
-class HostSample:
-    tokens: np.ndarray          # [R]
-    logprobs: np.ndarray        # [R]
-    top_ids: np.ndarray         # [R, K]
-    top_logprobs: np.ndarray    # [R, K]
-
-
-@dataclasses.dataclass
-class StepTiming:
-    host_s: float = 0.0         # packing + dispatch on the host
-    pack_s: float = 0.0         # of which: building the padded numpy arrays
-    device_s: float = 0.0       # waiting for the device result
-    compile_s: float = 0.0      # first call of a new shape bucket (traced + compiled)
-    compiled: bool = False
 
 
 def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors]:
@@ -89,25 +34,42 @@ def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, Samp
     return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:])
 
 
-def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
-             cfg: ModelConfig, backend: str, decode_only: bool, all_greedy: bool,
-             num_logprobs: int) -> tuple[jax.Array, kvp.KVPool]:
+def _feed(token_ids: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """Placeholders (negative ids, `-(row + 1)`) take the previous step's sampled token of
+    that row, which never left the device (asynchronous scheduling)."""
+    src = jnp.clip(-token_ids - 1, 0, prev_tokens.shape[0] - 1)
+    return jnp.where(token_ids < 0, prev_tokens[src], token_ids)
+
+
+def _pad_rows(tokens: jax.Array, num_rows: int) -> jax.Array:
+    return jnp.zeros((num_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+
+def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
+             spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+             all_greedy: bool, num_logprobs: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
-    tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`)."""
+    tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`).
+
+    Also returns the sampled tokens padded to `prev_tokens`' length: the next step's
+    `prev_tokens`, so placeholders can be filled without a round trip to the host.
+    """
     from paxkv.model.llama import forward
     batch, st = _unpack_inputs(inputs, spec)
+    batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only)
     result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs)
-    return transfer.pack_device(tuple(result)), kv_pool
+    return (transfer.pack_device(tuple(result)), _pad_rows(result.tokens, prev_tokens.shape[0]),
+            kv_pool)
 
 
 _jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
                                                "num_logprobs"), donate_argnums=(1,))
 
 
-def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
-                     cfg: ModelConfig, backend: str, all_greedy: bool,
-                     num_steps: int) -> tuple[jax.Array, kvp.KVPool]:
+def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
+                     spec: transfer.Spec, cfg: ModelConfig, backend: str, all_greedy: bool,
+                     num_steps: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
     Row i of the batch is sequence i (one token each) and sampling row i samples it. Padding
@@ -116,6 +78,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spe
     """
     from paxkv.model.llama import forward
     batch, st = _unpack_inputs(inputs, spec)
+    batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     num_seqs = batch.context_lens.shape[0]
     block_size = kv_pool.block_size
     valid = batch.context_lens > 0
@@ -137,7 +100,8 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spe
     init = (kv_pool, batch.token_ids, batch.positions, batch.context_lens,
             jnp.zeros((num_steps, num_seqs), jnp.int32), jnp.zeros((num_steps, num_seqs), jnp.float32))
     kv_pool, _, _, _, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
-    return transfer.pack_device((out_tok, out_lp)), kv_pool
+    return (transfer.pack_device((out_tok, out_lp)), _pad_rows(out_tok[-1], prev_tokens.shape[0]),
+            kv_pool)
 
 
 _jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "all_greedy",
@@ -151,30 +115,6 @@ def _copy_blocks(pool: kvp.KVPool, src: jax.Array, dst: jax.Array) -> kvp.KVPool
 
 _gather_blocks = jax.jit(kvp.gather_blocks)          # pages and (quantized pools) scales
 _scatter_blocks = jax.jit(kvp.scatter_blocks, donate_argnums=(0,))
-
-
-def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, block_size: int,
-                             kv_dtype: Any, max_num_seqs: int, max_num_batched_tokens: int,
-                             max_model_len: int) -> int:
-    """Device bytes the largest step needs beyond weights and pool (vLLM's profile run).
-
-    Runs one prefill step of `max_num_batched_tokens` tokens over a two-block pool (every
-    slot in the null block) and reads the allocator's peak. 0 where the device reports no
-    memory statistics (CPU).
-    """
-    device = jax.devices()[0]
-    before = (device.memory_stats() or {}).get("bytes_in_use", 0)
-    runner = Runner(cfg, params, num_blocks=2, block_size=block_size, kv_dtype=kv_dtype,
-                    backend=backend, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                    fixed_shapes=True)
-    tokens = min(max_num_batched_tokens, max_model_len - 1)
-    item = WorkItem([0] * tokens, 0, [0] * math.ceil(tokens / block_size))
-    runner.execute([item], [SampleRow(0)])
-    stats = device.memory_stats() or {}
-    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_pool))
-    del runner
-    return max(0, stats.get("peak_bytes_in_use", 0) - before - pool_bytes)
 
 
 def _pack_inputs(batch: StepBatch, st: SamplingTensors) -> tuple[jax.Array, transfer.Spec]:
@@ -209,6 +149,8 @@ class Runner:
         self.host_pool: kvp.KVPool | None = jax.tree.map(
             lambda x: np.zeros((num_host_blocks,) + x.shape[1:], x.dtype),
             self.kv_pool) if num_host_blocks else None
+        # The last step's sampled tokens, kept on the device for the next step's placeholders.
+        self._last_tokens = jnp.zeros((self.row_buckets[-1],), jnp.int32)
         self.compiled_keys: set[tuple] = set()
         self.num_compilations = 0
         self.compile_time_s = 0.0
@@ -320,68 +262,128 @@ class Runner:
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
         return st, all_greedy, k
 
-    def _account(self, key: tuple, new: bool, timing: StepTiming, t0: float, t1: float,
-                 t2: float) -> None:
-        """A new shape bucket's first call is compile time; otherwise split host / device."""
-        if new:
-            self.compiled_keys.add(key)
+    def _dispatched(self, pending: "PendingStep") -> "PendingStep":
+        """Compile accounting happens at dispatch: a new bucket's first call traces and
+        compiles before it returns (the run itself is still asynchronous)."""
+        if pending.new:
+            self.compiled_keys.add(pending.key)
             self.num_compilations += 1
-            timing.compiled = True
-            timing.compile_s = t2 - t0
-            self.compile_time_s += t2 - t0
-        else:
-            timing.host_s = t1 - t0
-            timing.device_s = t2 - t1
+            pending.compile_s = pending.t_dispatched - pending.t_start
+            self.compile_time_s += pending.compile_s
+        return pending
 
-    def execute_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
-                             num_steps: int) -> tuple[HostSample, StepTiming]:
-        """`num_steps` decode steps over `items` (one token each, row i samples item i).
+    def dispatch_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                              num_steps: int) -> "PendingStep":
+        """Queue `num_steps` decode steps over `items` (one token each, row i samples item i).
 
-        Blocks for all the steps' tokens must already be reserved. Returns tokens and logprobs
-        of shape `[num_steps, len(items)]`.
+        Blocks for all the steps' tokens must already be reserved. `fetch` returns tokens and
+        logprobs of shape `[num_steps, len(items)]`.
         """
-        timing = StepTiming()
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
         if not decode_only:
-            raise ValueError("execute_multi_decode needs one new token per sequence")
+            raise ValueError("dispatch_multi_decode needs one new token per sequence")
         num_seqs = batch.context_lens.shape[0]
         n = len(items)
         padded = list(rows) + [SampleRow(i) for i in range(n, num_seqs)]
         st, all_greedy, _ = self.pack_sampling(padded)
         st = jax.tree.map(lambda x: x[:num_seqs], st)
-        timing.pack_s = time.perf_counter() - t0
+        pack_s = time.perf_counter() - t0
         key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
         new = key not in self.compiled_keys
         inputs, spec = _pack_inputs(batch, st)
-        out, self.kv_pool = _jit_multi_decode(
-            self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
-            all_greedy=all_greedy, num_steps=num_steps)
-        t1 = time.perf_counter()
+        out, self._last_tokens, self.kv_pool = _jit_multi_decode(
+            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
+            backend=self.backend, all_greedy=all_greedy, num_steps=num_steps)
         shape = (num_steps, num_seqs)
-        out_tok, out_lp = transfer.unpack_host(np.asarray(out), ((shape, "int32"), (shape, "float32")))
-        host = HostSample(out_tok[:, :n], out_lp[:, :n],
-                          np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
-        self._account(key, new, timing, t0, t1, time.perf_counter())
-        return host, timing
+        return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
+                                            new, t0, time.perf_counter(), pack_s, multi=True))
 
-    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
-        """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""
-        timing = StepTiming()
+    def dispatch(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> "PendingStep":
+        """Queue one step over `items` sampling `rows`; returns at once (JAX dispatch is
+        asynchronous), except for the first call of a shape bucket, which compiles."""
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
-        timing.pack_s = time.perf_counter() - t0
+        pack_s = time.perf_counter() - t0
         key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
                st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
         new = key not in self.compiled_keys
         inputs, spec = _pack_inputs(batch, st)
-        out, self.kv_pool = _jit_step(
-            self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
-            decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k)
-        t1 = time.perf_counter()
+        out, self._last_tokens, self.kv_pool = _jit_step(
+            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
+            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k)
         r = st.seeds.shape[0]
-        host = HostSample(*transfer.unpack_host(np.asarray(out), (
-            ((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))))
-        self._account(key, new, timing, t0, t1, time.perf_counter())
+        out_spec = (((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))
+        return self._dispatched(PendingStep(out, out_spec, len(rows), k, key, new, t0,
+                                            time.perf_counter(), pack_s))
+
+    def fetch(self, pending: "PendingStep") -> tuple[HostSample, StepTiming]:
+        """Wait for a dispatched step and bring its sampled ids to the host. The timing's
+        compile_s is the dispatch's (the engine books it on the step that dispatched)."""
+        timing = StepTiming(pack_s=pending.pack_s, compile_s=pending.compile_s,
+                            compiled=pending.new)
+        t_wait = time.perf_counter()
+        arrays = transfer.unpack_host(np.asarray(pending.out), pending.out_spec)
+        if pending.multi:
+            n = pending.num_rows
+            host = HostSample(arrays[0][:, :n], arrays[1][:, :n],
+                              np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
+        else:
+            host = HostSample(*arrays)
+        timing.device_s = time.perf_counter() - t_wait
+        timing.host_s = pending.t_dispatched - pending.t_start
         return host, timing
+
+    def step_scratch_bytes(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> int:
+        """Device memory one step over `items` needs beyond its inputs, by XLA's analysis of
+        the compiled program (so it does not depend on what else the process allocated)."""
+        batch, decode_only = self.pack(items)
+        st, all_greedy, k = self.pack_sampling(rows)
+        inputs, spec = _pack_inputs(batch, st)
+        compiled = _jit_step.lower(
+            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
+            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
+            num_logprobs=k).compile()
+        mem = compiled.memory_analysis()
+        if mem is None:
+            return 0
+        outputs = mem.output_size_in_bytes - mem.alias_size_in_bytes
+        return int(mem.temp_size_in_bytes + max(0, outputs))
+
+    def release(self, params: bool = True) -> None:
+        """Free the device memory held here (the pool, and the params unless told not to:
+        a profile runner shares the engine's) now, not when garbage collected."""
+        held = (self.params if params else None, self.kv_pool, self._last_tokens)
+        for leaf in jax.tree.leaves(held):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.params = None
+        self.kv_pool = None
+        self.host_pool = None
+
+    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
+        """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""
+        return self.fetch(self.dispatch(items, rows))
+
+    def execute_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                             num_steps: int) -> tuple[HostSample, StepTiming]:
+        """`dispatch_multi_decode` then `fetch`: tokens and logprobs `[num_steps, len(items)]`."""
+        return self.fetch(self.dispatch_multi_decode(items, rows, num_steps))
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step whose results are still on the device."""
+
+    out: jax.Array                  # the packed result buffer
+    out_spec: transfer.Spec
+    num_rows: int
+    num_logprobs: int
+    key: tuple                      # its shape bucket (compile accounting)
+    new: bool                       # first call of that bucket: its dispatch compiled
+    t_start: float
+    t_dispatched: float
+    pack_s: float
+    multi: bool = False
+    compile_s: float = 0.0          # set at dispatch for a new bucket

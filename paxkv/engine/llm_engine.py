@@ -1,0 +1,459 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out (vLLM's shapes).
+
+The engine is host code: it validates requests, asks the scheduler what to run, hands the
+runner padded work, and gives sampled ids to the output processor. Parallel samples (n,
+best_of) are forks of one prefilled prompt that share its blocks.
+
+Asynchronous scheduling (the default): each `step()` dispatches step t+1 to the device
+before it reads step t's tokens, so the host's scheduling and packing of t+1 overlap the
+device's work on t. Tokens sampled at step t enter step t+1 on the device (as placeholders
+on the host, `engine/sequence.py`); the host reads them one step behind, only to emit
+outputs and check stops. A sequence that stopped at step t has its step t+1 token
+discarded. Requests whose next step depends on the host (forks, beams) make that step
+synchronous. Outputs are identical to the synchronous engine's, token for token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Any, Iterable, Sequence
+
+from paxkv.cache.block_manager import BlockManager
+from paxkv.config import EngineConfig, ModelConfig
+from paxkv.engine.beam_search import BeamSearchOutput, BeamState
+from paxkv.engine.output_processor import OutputProcessor
+from paxkv.engine.requests import BeamRequest, EngineRequest, SamplingRequest
+from paxkv.engine.scheduler import Scheduler, SchedulerOutput
+from paxkv.engine.sequence import Sequence as Seq
+from paxkv.engine.sequence import SequenceStatus
+from paxkv.engine.step_io import HostSample, SampleRow, WorkItem
+from paxkv.metrics import Metrics, StepStats
+from paxkv.outputs import RequestMetrics, RequestOutput
+from paxkv.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class _StepInFlight:
+    """A dispatched step and what its sampling rows belong to."""
+
+    pending: Any                      # runner.PendingStep
+    rows: list[SampleRow]
+    row_seqs: list[Seq]
+    sched: SchedulerOutput
+    num_steps: int = 1                # > 1: a multi-step decode call
+    placeholder_at: list[int] | None = None   # async: where each row's placeholder sits
+
+
+class LLMEngine:
+    """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
+
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None,
+                 num_blocks: int, num_host_blocks: int) -> None:
+        self.config = config
+        self.model_config: ModelConfig = config.model
+        self.runner = runner
+        self.tokenizer = tokenizer
+        sc, cc = config.scheduler, config.cache
+        self.max_model_len = sc.max_model_len
+        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host_blocks,
+                                          enable_prefix_caching=cc.enable_prefix_caching,
+                                          watermark=sc.watermark)
+        self.scheduler = Scheduler(sc, self.block_manager, cc.block_size)
+        self.metrics = Metrics(num_blocks=num_blocks)
+        self.requests: dict[str, EngineRequest] = {}
+        self._owner: dict[int, tuple[EngineRequest, int]] = {}
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._aborted_outputs: list[RequestOutput] = []
+        self._beam_results: dict[str, BeamRequest] = {}
+        self._in_flight: _StepInFlight | None = None
+        self._step_index = 0
+        self.num_scheduler_steps = max(1, int(config.num_scheduler_steps))
+        self.async_scheduling = bool(config.async_scheduling)
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.output_processor = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids,
+                                                self.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
+        return None, ids
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
+                             f"{self.max_model_len}")
+
+    def _register(self, req: EngineRequest, seq: Seq) -> None:
+        self.requests[req.request_id] = req
+        self._owner[seq.seq_id] = (req, 0)
+        self.scheduler.add_seq(seq)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._encode(prompt)
+        self._validate_prompt(ids)
+        vocab = self.model_config.vocab_size
+        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids holds an id outside the vocabulary")
+        base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
+        self._register(SamplingRequest(request_id, text, ids, params, [seq], RequestMetrics(now),
+                                       base_seed=base_seed), seq)
+
+    def add_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> str:
+        """Queue one beam-search request; its beams are forks sharing the prompt's blocks."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        request_id = f"beam-{next(self._seq_ids)}"
+        text, ids = self._encode(prompt)
+        self._validate_prompt(ids)
+        now = time.monotonic()
+        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        beam = BeamState(seq, params.beam_width, max_tokens, params.length_penalty,
+                         params.early_stopping, eos)
+        req = BeamRequest(request_id, text, ids, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
+                          [seq], RequestMetrics(now), beam=beam)
+        self._register(req, seq)
+        return request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now: their blocks return to the pool at once, and each one's final
+        output (finish_reason "abort") comes out of the next `step()`. Until then
+        `has_unfinished_requests()` stays True. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._abort(req)
+            self._aborted_outputs.append(self.output_processor.make_output(req))
+
+    def _abort(self, req: EngineRequest) -> None:
+        self.scheduler.abort_request(req.request_id)
+        for s in req.samples:
+            if not s.status.is_finished() or s.num_pending_tokens:
+                s.status = SequenceStatus.FINISHED_ABORTED
+                s.finish_reason = "abort"
+        req.aborted = True
+        self._retire(req)
+
+    def discard_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests without emitting their outputs (an API call that failed midway)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._abort(req)
+
+    def shutdown(self) -> None:
+        """Drop every request and the step in flight, and free the runner's device memory."""
+        self.discard_requests(list(self.requests))
+        self._in_flight = None
+        self._aborted_outputs = []
+        self.runner.release()
+
+    def pop_beam_result(self, request_id: str) -> BeamSearchOutput:
+        req = self._beam_results.pop(request_id)
+        decode = None
+        if self.tokenizer is not None:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return req.beam.result(req.prompt_token_ids, decode)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- building a step ----------------------------------------------------------------------
+    def _rows_for(self, chunk_index: int, seq: Seq) -> list[SampleRow]:
+        """Sampling rows for a chunk that reaches its sequence's last token."""
+        req, index = self._owner[seq.seq_id]
+        if isinstance(req, BeamRequest):   # greedy row + the top-K continuations of this beam
+            return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
+        p = req.params
+        n_out = seq.num_output_tokens
+        banned: tuple[int, ...] = ()
+        if n_out < p.min_tokens:
+            banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
+        indices = tuple(range(p.best_of)) if req.will_fork else (index,)
+        return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
+                          n_out, banned, p.logprobs or 0) for i in indices]
+
+    def _needs_sync(self) -> bool:
+        """Whether this step must be read back before the next is scheduled."""
+        if not self.async_scheduling:
+            return True
+        return any(r.needs_host_sync for r in self.requests.values())
+
+    def _dispatch(self, out: SchedulerOutput, k: int) -> _StepInFlight:
+        """Build the step's work items and sampling rows, and queue it on the device."""
+        items, rows, row_seqs = [], [], []
+        for i, c in enumerate(out.chunks):
+            seq = c.seq
+            if c.is_prefill:
+                req = self._owner[seq.seq_id][0]
+                if req.num_cached_tokens is None:   # its first chunk starts after the hit
+                    req.num_cached_tokens = c.start
+            items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
+                                  seq.block_table))
+            if c.needs_sample:
+                r = self._rows_for(i, seq)
+                rows.extend(r)
+                row_seqs.extend([seq] * len(r))
+        if k > 1:
+            pending = self.runner.dispatch_multi_decode(items, rows, k)
+        else:
+            pending = self.runner.dispatch(items, rows)
+        return _StepInFlight(pending, rows, row_seqs, out, k)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Dispatch the next step, then read the previous one; return the requests it changed.
+
+        With synchronous scheduling (or when a request needs the host between steps) the
+        step just dispatched is read back before returning. `only_finished` skips building
+        outputs of unfinished requests (generate() needs only finished ones).
+        """
+        t_start = time.perf_counter()
+        changed: dict[str, RequestOutput] = {o.request_id: o for o in self._aborted_outputs}
+        self._aborted_outputs = []
+        device_s = compile_s = 0.0
+        sync = self._needs_sync()
+        if sync and self._in_flight is not None:   # the next step needs this one's tokens
+            d, c = self._process(self._take_in_flight(), changed, only_finished)
+            device_s, compile_s = device_s + d, compile_s + c
+        out = self.scheduler.schedule()
+        # Block movement first, in this order, even on a step with nothing to compute.
+        self.runner.swap_out(out.blocks_to_swap_out)
+        self.runner.swap_in(out.blocks_to_swap_in)
+        self.runner.copy_blocks(out.blocks_to_copy)
+        k = self._multi_step_count(out)
+        step = None
+        if out.chunks:
+            if k > 1:
+                self._reserve_multi_step(out, k)
+            step = self._dispatch(out, k)
+            compile_s += step.pending.compile_s
+        if self._in_flight is not None:            # step t-1, read while step t runs
+            d, c = self._process(self._take_in_flight(), changed, only_finished)
+            device_s, compile_s = device_s + d, compile_s + c
+        if step is not None:
+            self.scheduler.on_step_done(out)
+            if sync or k > 1:
+                d, c = self._process(step, changed, only_finished)
+                device_s, compile_s = device_s + d, compile_s + c
+            else:
+                self._add_placeholders(step)
+                self._in_flight = step
+        wall = time.perf_counter() - t_start
+        bm = self.block_manager
+        self.metrics.record(StepStats(
+            step=self._step_index, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting, num_swapped=self.scheduler.num_swapped,
+            num_seqs_scheduled=len(out.chunks), num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens * max(1, k), num_preemptions=len(out.preempted),
+            blocks_used=bm.num_used_blocks, blocks_free=bm.num_available_blocks,
+            blocks_logical=bm.logical_blocks_in_use(), host_s=(0.0 if compile_s else wall - device_s),
+            device_s=device_s, compile_s=compile_s, wall_s=wall,
+            python_s=0.0 if compile_s else wall - device_s))
+        self.metrics.prefix_cache_queries = bm.prefix_cache_queries
+        self.metrics.prefix_cache_hits = bm.prefix_cache_hits
+        self.metrics.num_output_tokens = self.output_processor.num_output_tokens
+        self._step_index += 1
+        return list(changed.values())
+
+    def _take_in_flight(self) -> _StepInFlight:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _add_placeholders(self, step: _StepInFlight) -> None:
+        """Async: each sampled row's token exists on the device only; stand a placeholder in
+        for it, and finish now the sequences whose length limit it reaches (their blocks
+        are free for the next step; the token itself still arrives)."""
+        at = []
+        for r, seq in enumerate(step.row_seqs):
+            if seq.status.is_finished() or seq.seq_id not in self._owner:
+                at.append(-1)            # stopped when the previous step was read
+                continue
+            seq.append_placeholder(r)
+            at.append(seq.num_tokens - 1)
+            req = self._owner[seq.seq_id][0]
+            if self.output_processor.reaches_length_limit(req, seq):
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        step.placeholder_at = at
+
+    def _multi_step_count(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run in one device call (1 = an ordinary step).
+
+        Several steps per host round trip only when the batch is plain decoding: no block
+        movement, no pending fork (n > 1 before its first token), no beams, no logprobs or
+        min_tokens bans, and room in the pool for every sequence's next k tokens.
+        """
+        k = self.num_scheduler_steps
+        if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
+            return 1
+        if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
+            return 1
+        longest = 0
+        for c in out.chunks:
+            req, _ = self._owner[c.seq.seq_id]
+            p = req.params
+            if (c.num_tokens != 1 or not c.needs_sample or req.needs_host_sync
+                    or p.logprobs is not None or c.seq.num_output_tokens < p.min_tokens):
+                return 1
+            longest = max(longest, c.seq.num_tokens)
+        k = min(k, self.max_model_len - longest + 1)
+        if k <= 1:
+            return 1
+        bm = self.block_manager
+        if bm.blocks_needed(tuple((c.seq, k) for c in out.chunks)) > bm.num_available_blocks:
+            return 1
+        return k
+
+    def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> None:
+        """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared)."""
+        copies = []
+        for c in out.chunks:
+            copies += self.block_manager.append_slots(c.seq, k)
+        self.runner.copy_blocks(copies)
+
+    # ---- reading a step back -----------------------------------------------------------------
+    def _process(self, step: _StepInFlight, changed: dict[str, RequestOutput],
+                 only_finished: bool) -> tuple[float, float]:
+        """Fetch a dispatched step's tokens and apply them; returns (device wait, compile) s."""
+        sample, timing = self.runner.fetch(step.pending)
+        if step.num_steps > 1:
+            self._apply_multi(step, sample, changed, only_finished)
+        else:
+            self._apply(step, sample, changed, only_finished)
+        return timing.device_s, 0.0   # compile time is booked where the step was dispatched
+
+    def _row_is_live(self, step: _StepInFlight, r: int, seq: Seq) -> bool:
+        if seq.seq_id not in self._owner or seq.status is SequenceStatus.FINISHED_ABORTED:
+            return False
+        if step.placeholder_at is None:
+            return not seq.status.is_finished()
+        at = step.placeholder_at[r]
+        return at >= 0 and at == seq.num_tokens - 1 and seq.num_pending_tokens > 0
+
+    def _apply(self, step: _StepInFlight, sample: HostSample, changed: dict[str, RequestOutput],
+               only_finished: bool) -> None:
+        rows, row_seqs = step.rows, step.row_seqs
+        tokens = sample.tokens.tolist()
+        logprobs = sample.logprobs.tolist()
+        touched: dict[str, EngineRequest] = {}
+        beams: dict[str, BeamRequest] = {}
+        record = self.output_processor.record_token
+        r = 0
+        while r < len(rows):
+            seq = row_seqs[r]
+            if not self._row_is_live(step, r, seq):
+                r += 1
+                continue
+            req, _ = self._owner[seq.seq_id]
+            if isinstance(req, BeamRequest):
+                req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
+                beams[req.request_id] = req
+                r += 1
+                continue
+            group = 1
+            if req.will_fork:
+                group = req.params.best_of
+                children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(group - 1)]
+                for j, child in enumerate(children, start=1):
+                    req.samples.append(child)
+                    self._owner[child.seq_id] = (req, j)
+                req.forked = True
+            for j in range(group):
+                target = req.samples[j] if group > 1 else seq
+                record(req, target, tokens[r + j], logprobs[r + j],
+                       sample.top_ids[r + j], sample.top_logprobs[r + j])
+            touched[req.request_id] = req
+            r += group
+        for rid, req in beams.items():
+            if req.beam.ready():
+                req.beam.advance(self._fork_beam, self._drop_beam)
+                if req.beam.done:
+                    self._beam_results[rid] = req
+                    self._retire(req)
+        self._finish_touched(touched, changed, only_finished)
+
+    def _apply_multi(self, step: _StepInFlight, sample: HostSample,
+                     changed: dict[str, RequestOutput], only_finished: bool) -> None:
+        """Replay a multi-step call's k tokens per sequence on the host, in order."""
+        tokens = sample.tokens.tolist()
+        logprobs = sample.logprobs.tolist()
+        seqs = [c.seq for c in step.sched.chunks]
+        touched: dict[str, EngineRequest] = {}
+        for j in range(step.num_steps):
+            if j > 0:
+                self.scheduler.on_extra_decode_step(seqs)
+            for i, seq in enumerate(seqs):
+                if seq.status.is_finished() or seq.seq_id not in self._owner:
+                    continue   # stopped at an earlier step: its later tokens are discarded
+                req, _ = self._owner[seq.seq_id]
+                self.output_processor.record_token(req, seq, tokens[j][i], logprobs[j][i], (), ())
+                touched[req.request_id] = req
+        self._finish_touched(touched, changed, only_finished)
+
+    def _finish_touched(self, touched: dict[str, EngineRequest], changed: dict[str, RequestOutput],
+                        only_finished: bool) -> None:
+        now = time.monotonic()
+        for rid, req in touched.items():
+            if req.timing is not None and req.timing.first_token_time is None:
+                req.timing.first_token_time = now
+            finished = req.finished
+            if finished and req.timing is not None:
+                req.timing.finished_time = now
+            if finished or not only_finished:
+                changed[rid] = self.output_processor.make_output(req)
+            if finished:
+                self.metrics.num_requests_finished += 1
+                self._retire(req)
+
+    def _fork_beam(self, parent: Seq) -> Seq:
+        child = self.scheduler.fork(parent, next(self._seq_ids))
+        req, _ = self._owner[parent.seq_id]
+        req.samples.append(child)
+        self._owner[child.seq_id] = (req, len(req.samples) - 1)
+        return child
+
+    def _drop_beam(self, seq: Seq) -> None:
+        if not seq.status.is_finished():
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def _retire(self, req: EngineRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        for s in req.samples:
+            self._owner.pop(s.seq_id, None)

@@ -1,0 +1,114 @@
+"""From sampled tokens to sequence state and `RequestOutput`s: stop checks, text, logprobs,
+best_of ranking. Host code only; the engine calls it once per sampled token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from paxkv.engine.requests import EngineRequest, SamplingRequest
+from paxkv.engine.scheduler import Scheduler
+from paxkv.engine.sequence import Sequence, SequenceStatus
+from paxkv.outputs import CompletionOutput, RequestOutput
+
+
+class OutputProcessor:
+    """Stop decisions and output assembly, shared by the synchronous and the async step."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any | None, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.num_output_tokens = 0
+
+    # ---- one token ----------------------------------------------------------------------
+    def record_token(self, req: SamplingRequest, seq: Sequence, token: int, logprob: float,
+                     top_ids: np.ndarray | tuple, top_lps: np.ndarray | tuple) -> None:
+        """A sampled token became known on the host: store it, its logprobs, and stop.
+
+        The token is either new (appended) or the sequence's pending placeholder (resolved).
+        A sequence already finished by length (decided when its last placeholder was
+        appended) gets its final status from the stop check here.
+        """
+        p = req.params
+        if seq.num_pending_tokens:
+            seq.resolve_placeholder(token, logprob)
+        else:
+            seq.append_token(token, logprob)
+        self.num_output_tokens += 1
+        if p.logprobs is not None:
+            entry = {token: logprob}
+            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:p.logprobs], top_lps[:p.logprobs])})
+            req.logprobs.setdefault(seq.seq_id, []).append(entry)
+        status, reason = self.check_stop(req, seq, token)
+        if status is not None:
+            seq.finish_reason = "stop" if status == SequenceStatus.FINISHED_STOPPED else "length"
+            seq.stop_reason = reason
+            if seq.status.is_finished():
+                seq.status = status          # finished early by length; its last token decides
+            else:
+                self.scheduler.finish(seq, status)
+
+    def reaches_length_limit(self, req: SamplingRequest, seq: Sequence) -> bool:
+        """Whether the sequence ends by length once its newest (pending) token exists."""
+        p = req.params
+        n_out = seq.num_output_tokens
+        if p.max_tokens is not None and n_out >= p.max_tokens and n_out >= p.min_tokens:
+            return True
+        return seq.num_tokens >= self.max_model_len
+
+    def check_stop(self, req: SamplingRequest, seq: Sequence,
+                   token: int) -> tuple[SequenceStatus | None, Any]:
+        """vLLM's order: EOS, stop token ids, stop strings (after min_tokens), then length."""
+        p = req.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+            if p.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids)
+                for s in p.stop:
+                    at = text.find(s)
+                    if at >= 0:
+                        req.texts[seq.seq_id] = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                        return SequenceStatus.FINISHED_STOPPED, s
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
+
+    # ---- outputs --------------------------------------------------------------------------
+    def make_output(self, req: EngineRequest) -> RequestOutput:
+        """The request's current RequestOutput; finished best_of requests keep their n best."""
+        p = req.params
+        texts = getattr(req, "texts", {})
+        logprobs = getattr(req, "logprobs", {})
+        comps = []
+        for i, s in enumerate(req.samples):
+            ids = s.output_token_ids
+            if s.num_pending_tokens:          # not known on the host yet
+                ids = ids[:len(ids) - s.num_pending_tokens]
+            text = texts.get(s.seq_id)
+            if text is None:
+                text = (self.tokenizer.decode(ids, skip_special_tokens=True)
+                        if (self.tokenizer is not None and p.detokenize) else "")
+            comps.append(CompletionOutput(
+                index=i, text=text, token_ids=ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=logprobs.get(s.seq_id) if p.logprobs is not None else None,
+                finish_reason=s.finish_reason if s.status.is_finished() else None,
+                stop_reason=s.stop_reason))
+        finished = req.aborted or req.finished
+        if finished and p.best_of > p.n and not req.aborted:
+            comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+            comps = comps[:p.n]
+            for i, c in enumerate(comps):
+                c.index = i
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
+                             req.num_cached_tokens or 0, req.timing)

@@ -1,0 +1,52 @@
+"""The typed records that cross the door between host and device, one engine step at a time.
+
+The engine builds `WorkItem`s (what to compute) and `SampleRow`s (what to sample); the runner
+turns them into padded device arrays and answers with a `HostSample` and a `StepTiming`.
+They live here, free of JAX, so host code can import and type them at the top.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class WorkItem:
+    """One scheduled chunk, as the runner needs it: tokens to compute and where they go."""
+
+    token_ids: Sequence[int]     # the tokens computed this step
+    start: int                   # position of the first of them
+    block_table: Sequence[int]
+
+
+class SampleRow(NamedTuple):
+    """One token to sample, from the logits of work item `item` (a tuple: cheap to build)."""
+
+    item: int
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+    banned: Sequence[int] = ()
+    num_logprobs: int = 0
+
+
+@dataclasses.dataclass
+class HostSample:
+    tokens: np.ndarray          # [R]
+    logprobs: np.ndarray        # [R]
+    top_ids: np.ndarray         # [R, K]
+    top_logprobs: np.ndarray    # [R, K]
+
+
+@dataclasses.dataclass
+class StepTiming:
+    host_s: float = 0.0         # packing + dispatch on the host
+    pack_s: float = 0.0         # of which: building the padded numpy arrays
+    device_s: float = 0.0       # waiting for the device result
+    compile_s: float = 0.0      # first call of a new shape bucket (traced + compiled)
+    compiled: bool = False
