@@ -21,6 +21,10 @@ module keeps what is per sequence:
 - Swap. Preempted sequences can move to a host pool of `num_host_blocks`; a block shared by
   several of the sequences swapped together moves once.
 
+The scheduler's per-step call is `allocate_slots(plan)`: it checks a whole group's plan and
+commits it in one step, or returns None and changes nothing, so the caller can preempt and
+ask again.
+
 Plain Python on purpose: per step work is a few list operations per sequence.
 """
 from __future__ import annotations
@@ -241,7 +245,7 @@ class BlockManager:
         For a sequence the manager does not hold yet (new, or re-admitted after a recompute
         preemption) the table first takes the cached blocks of its longest cached prefix;
         the caller sets `num_computed_tokens` to the returned count. For a held sequence it
-        only appends fresh blocks (no copy-on-write: use `append_slots` before writing).
+        only appends fresh blocks (no copy-on-write: use `allocate_slots` before writing).
         """
         if seq.seq_id in self._host_seqs:
             raise ValueError(f"sequence {seq.seq_id} is swapped out: swap_in before allocating")
@@ -295,50 +299,62 @@ class BlockManager:
         return total
 
     def blocks_needed(self, plan: Plan) -> int:
-        """Blocks `append_slots` would take for each (sequence, new tokens) in order."""
+        """Blocks `allocate_slots(plan)` would take for each (sequence, new tokens) in order."""
         return self._blocks_needed(plan, self.device_pool.ref_counts)
-
-    def decode_blocks_needed(self, seq: Sequence) -> int:
-        """`blocks_needed([(seq, 1)])` in O(1): a new block, a copy-on-write, or none."""
-        table = seq.block_table
-        idx = seq.num_computed_tokens // self.block_size
-        if idx >= len(table):
-            return 1
-        return 1 if self.device_pool.ref_counts[table[idx]] > 1 else 0
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self.blocks_needed(((seq, num_new_tokens),)) <= self.num_available_blocks
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> Copies:
-        """Room to write K/V of tokens [num_computed, num_computed + num_new_tokens).
+    def allocate_slots(self, plan: Plan) -> Copies | None:
+        """Room to write every planned chunk, all or nothing.
 
-        Returns copy-on-write pairs (src, dst) the device must copy before the step.
+        For each (sequence, n) of `plan`, in order, the sequence's table must cover tokens
+        [num_computed, num_computed + n); a shared block in that range is replaced by a
+        fresh one (copy-on-write). If the whole plan fits the available blocks it is
+        committed and the (src, dst) copies the device must run before the step are
+        returned, in plan order. Otherwise returns None and changes nothing, so the caller
+        can preempt something and ask again. Members of one plan may share blocks (the
+        sequences of one request): the count is exact for writing them in plan order.
         """
-        if seq.seq_id not in self._device_seqs:
-            raise ValueError(f"sequence {seq.seq_id} holds no device blocks: allocate it first")
-        if num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        need = self.blocks_needed(((seq, num_new_tokens),))
-        if need > self.num_available_blocks:
-            raise RuntimeError(f"cannot append {num_new_tokens} tokens to sequence {seq.seq_id}: "
-                               f"needs {need} blocks, {self.num_available_blocks} available")
-        return self._append_slots_unchecked(seq, num_new_tokens)
+        if not isinstance(plan, (list, tuple)):
+            plan = list(plan)
+        pool = self.device_pool
+        if len(plan) == 1:
+            seq, n = plan[0]
+            if n == 1 and seq.seq_id in self._device_seqs:  # one decode: the common case
+                table = seq.block_table
+                idx = seq.num_computed_tokens // self.block_size
+                if idx >= len(table):  # the new token opens a block
+                    if not pool.num_available:
+                        return None
+                    table.append(pool.get_new_block())
+                    return []
+                if pool.ref_counts[table[idx]] == 1:  # writes in place
+                    return []
+                if not pool.num_available:  # shared: copy-on-write
+                    return None
+                return self._commit_slots(seq, 1)
+        device_seqs = self._device_seqs
+        for seq, n in plan:
+            if seq.seq_id not in device_seqs:
+                raise ValueError(f"sequence {seq.seq_id} holds no device blocks: allocate it first")
+            if n < 1:
+                raise ValueError(f"number of new tokens must be >= 1, got {n} "
+                                 f"for sequence {seq.seq_id}")
+        if self._blocks_needed(plan, pool.ref_counts) > pool.num_available:
+            return None
+        copies: Copies = []
+        for seq, n in plan:
+            copies += self._commit_slots(seq, n)
+        return copies
 
-    def _append_slots_unchecked(self, seq: Sequence, num_new_tokens: int) -> Copies:
-        """`append_slots` without the checks, for callers that checked `blocks_needed`
-        (the scheduler checks a whole group at once, on its per-step hot path)."""
+    def _commit_slots(self, seq: Sequence, num_new_tokens: int) -> Copies:
+        """The writes of `allocate_slots` for one sequence, once the plan is known to fit."""
         bs = self.block_size
         pool = self.device_pool
         refs = pool.ref_counts
         table = seq.block_table
         start = seq.num_computed_tokens
-        if num_new_tokens == 1:  # decode fast path
-            idx = start // bs
-            if idx >= len(table):
-                table.append(pool.get_new_block())
-                return []
-            if refs[table[idx]] == 1:
-                return []
         end_block = _cdiv(start + num_new_tokens, bs)
         copies = []
         for idx in range(start // bs, min(len(table), end_block)):
@@ -353,6 +369,20 @@ class BlockManager:
             table.extend(pool.get_new_blocks(end_block - len(table)))
         if copies:
             self.num_cow_copies += len(copies)
+        return copies
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> Copies:
+        """`allocate_slots` for one sequence, raising RuntimeError when it does not fit.
+
+        Returns copy-on-write pairs (src, dst) the device must copy before the step.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        copies = self.allocate_slots(((seq, num_new_tokens),))
+        if copies is None:
+            need = self.blocks_needed(((seq, num_new_tokens),))
+            raise RuntimeError(f"cannot append {num_new_tokens} tokens to sequence {seq.seq_id}: "
+                               f"needs {need} blocks, {self.num_available_blocks} available")
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -419,7 +449,7 @@ class BlockManager:
         return pairs
 
     def swap_in_blocks_needed(self, seqs: Sequence | Iterable[Sequence], plan: Plan = ()) -> int:
-        """Device blocks to swap `seqs` in and then append the planned new tokens."""
+        """Device blocks to swap `seqs` in and then `allocate_slots(plan)` for them."""
         distinct = {h for s in _as_list(seqs) for h in s.block_table}
         return len(distinct) + self._blocks_needed(plan, self.host_pool.ref_counts)
 
