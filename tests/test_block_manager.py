@@ -46,6 +46,14 @@ def snapshot(bm: BlockManager, seqs: list[Sequence]) -> tuple:
     return pools, tables, bm.num_cow_copies, bm.num_available_blocks, bm.num_used_blocks
 
 
+def fork_one(data: st.DataObject, bm: BlockManager, live: list[Sequence], seq_id: int) -> None:
+    """A property-test step: fork a drawn live sequence; the child joins `live`."""
+    parent = data.draw(st.sampled_from(live), label="parent")
+    child = parent.fork(seq_id)
+    bm.fork(parent, child)
+    live.append(child)
+
+
 class _copies:
     def __init__(self, copies, swap_out=(), swap_in=()):
         self.blocks_to_copy = list(copies)
@@ -459,11 +467,8 @@ def test_allocate_slots_fits_exactly_when_blocks_needed_fits(data, caching, num_
                 admit(bm, model, seq)
                 live.append(seq)
         elif op == "fork" and live:
-            parent = data.draw(st.sampled_from(live), label="parent")
-            child = parent.fork(next_id)
+            fork_one(data, bm, live, next_id)
             next_id += 1
-            bm.fork(parent, child)
-            live.append(child)
         elif op == "free" and live:
             bm.free(live.pop(data.draw(st.integers(0, len(live) - 1), label="i")))
         elif op == "plan" and live:
@@ -544,11 +549,8 @@ def test_random_operations_keep_invariants_and_contents(data, caching, num_block
                 with pytest.raises(RuntimeError):
                     bm.append_slots(seq, n)
         elif op == "fork" and live:
-            parent = data.draw(st.sampled_from(live), label="parent")
-            child = parent.fork(next_id)
+            fork_one(data, bm, live, next_id)
             next_id += 1
-            bm.fork(parent, child)
-            live.append(child)
         elif op == "free" and (live or swapped):
             if swapped and (not live or data.draw(st.booleans(), label="free_swapped")):
                 group = swapped.pop(data.draw(st.integers(0, len(swapped) - 1), label="g"))
