@@ -1,6 +1,8 @@
 """Block manager: allocation, ref counts, copy-on-write, prefix cache, swap (host only)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -35,6 +37,21 @@ def admit(bm: BlockManager, model: KVContentModel, seq: Sequence, n: int | None 
     seq.num_computed_tokens += todo
     bm.mark_computed(seq)
     return cached
+
+
+def snapshot(bm: BlockManager, seqs: list[Sequence]) -> tuple:
+    """Everything `allocate_slots` could change: both pools whole, tables, counters."""
+    pools = [copy.deepcopy(vars(p)) for p in (bm.device_pool, bm.host_pool)]
+    tables = [(s.seq_id, list(s.block_table), s.num_registered_blocks) for s in seqs]
+    return pools, tables, bm.num_cow_copies, bm.num_available_blocks, bm.num_used_blocks
+
+
+def fork_one(data: st.DataObject, bm: BlockManager, live: list[Sequence], seq_id: int) -> None:
+    """A property-test step: fork a drawn live sequence; the child joins `live`."""
+    parent = data.draw(st.sampled_from(live), label="parent")
+    child = parent.fork(seq_id)
+    bm.fork(parent, child)
+    live.append(child)
 
 
 class _copies:
@@ -337,6 +354,155 @@ def test_logical_vs_physical_blocks():
     assert bm.num_tokens_in_use() == 40
 
 
+def forked_group(bm: BlockManager, model: KVContentModel, prompt_len: int, k: int) -> list[Sequence]:
+    """A computed prompt and k - 1 forks, each with one new token to compute."""
+    parent = make_seq(0, list(range(100, 100 + prompt_len)))
+    admit(bm, model, parent)
+    group = [parent]
+    for i in range(1, k):
+        kid = parent.fork(i)
+        bm.fork(parent, kid)
+        group.append(kid)
+    for s in group:
+        s.append_token(30 + s.seq_id)
+    return group
+
+
+def test_allocate_slots_commits_a_group_plan_like_appending_in_order():
+    # Three sequences share a partial block: the first two writers copy, the last writes in
+    # place. One call does what three append_slots calls in plan order do.
+    twins = []
+    for _ in range(2):
+        bm = BlockManager(16, BS, enable_prefix_caching=False)
+        model = KVContentModel(16, BS)
+        twins.append((bm, model, forked_group(bm, model, 6, 3)))
+    (bm, model, group), (ref_bm, _, ref_group) = twins
+    need = bm.blocks_needed([(s, 1) for s in group])
+    before = bm.num_available_blocks
+    copies = bm.allocate_slots([(s, 1) for s in group])
+    expected = [c for s in ref_group for c in ref_bm.append_slots(s, 1)]
+    assert copies == expected and len(copies) == 2
+    assert [s.block_table for s in group] == [s.block_table for s in ref_group]
+    assert before - bm.num_available_blocks == need == 2
+    model.apply_copies(_copies(copies))
+    for s in group:
+        model.run_chunk(ScheduledChunk(s, 6, 1, True))
+        s.num_computed_tokens = 7
+        model.check_sequence(s)
+    bm.check_invariants()
+
+
+def test_allocate_slots_is_all_or_nothing():
+    # Two independent sequences each open a new block; only one block is left.
+    bm = BlockManager(7, BS, enable_prefix_caching=False, watermark=0.0)
+    model = KVContentModel(7, BS)
+    a, b = make_seq(0, list(range(8))), make_seq(1, list(range(10, 16)))
+    admit(bm, model, a)
+    admit(bm, model, b)
+    filler = make_seq(2, [1])
+    admit(bm, model, filler)
+    a.append_token(1)
+    b.append_token(2)
+    b.append_token(3)
+    b.append_token(4)  # b: 6 computed + 3 new tokens = 9 tokens, one block more
+    assert bm.num_available_blocks == 1 and bm.blocks_needed([(a, 1), (b, 3)]) == 2
+    before = snapshot(bm, [a, b, filler])
+    assert bm.allocate_slots([(a, 1), (b, 3)]) is None
+    assert snapshot(bm, [a, b, filler]) == before  # a did not get its block either
+    bm.check_invariants()
+    bm.free(filler)
+    copies = bm.allocate_slots([(a, 1), (b, 3)])
+    assert copies == [] and bm.num_available_blocks == 0
+    assert len(a.block_table) == 3 and len(b.block_table) == 3
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("prompt_len", [6, 8])  # a shared partial block / a fresh block
+def test_allocate_slots_one_decode_without_room_changes_nothing(prompt_len):
+    bm = BlockManager(1 + -(-prompt_len // BS), BS, enable_prefix_caching=False, watermark=0.0)
+    model = KVContentModel(bm.num_blocks, BS)
+    group = forked_group(bm, model, prompt_len, 2)
+    assert bm.num_available_blocks == 0 and bm.blocks_needed([(group[0], 1)]) == 1
+    before = snapshot(bm, group)
+    assert bm.allocate_slots([(group[0], 1)]) is None
+    assert snapshot(bm, group) == before
+    with pytest.raises(RuntimeError, match="cannot append"):
+        bm.append_slots(group[0], 1)
+    assert snapshot(bm, group) == before
+    bm.check_invariants()
+
+
+def test_allocate_slots_validation():
+    bm = BlockManager(8, BS)
+    model = KVContentModel(8, BS)
+    held = make_seq(0, list(range(5)))
+    admit(bm, model, held)
+    stranger = make_seq(1, [1, 2])
+    with pytest.raises(ValueError, match="no device blocks"):
+        bm.allocate_slots([(held, 1), (stranger, 1)])
+    with pytest.raises(ValueError, match=">= 1"):
+        bm.allocate_slots([(held, 0)])
+    assert bm.allocate_slots([]) == []
+    assert bm.allocate_slots(iter([(held, 1)])) == []  # any iterable plan
+    bm.check_invariants()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), caching=st.booleans(), num_blocks=st.integers(3, 16))
+def test_allocate_slots_fits_exactly_when_blocks_needed_fits(data, caching, num_blocks):
+    """Random forked groups and plans: None exactly when `blocks_needed` exceeds what is
+    available, and then nothing changed; otherwise exactly that many blocks are taken and
+    every sequence still reads its own K/V."""
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching, watermark=0.0)
+    model = KVContentModel(num_blocks, BS)
+    live: list[Sequence] = []
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
+        op = data.draw(st.sampled_from(("admit", "fork", "free", "plan", "plan")), label="op")
+        if op == "admit":
+            n = data.draw(st.integers(1, 9), label="len")
+            seq = make_seq(next_id, [(next_id + i) % 3 for i in range(n)])
+            next_id += 1
+            if bm.can_allocate(seq, seq.num_tokens, use_watermark=False):
+                admit(bm, model, seq)
+                live.append(seq)
+        elif op == "fork" and live:
+            fork_one(data, bm, live, next_id)
+            next_id += 1
+        elif op == "free" and live:
+            bm.free(live.pop(data.draw(st.integers(0, len(live) - 1), label="i")))
+        elif op == "plan" and live:
+            members = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4,
+                                         unique_by=lambda s: s.seq_id), label="members")
+            plan = []
+            for s in members:
+                for _ in range(data.draw(st.integers(0, 5), label="new")):
+                    s.append_token(data.draw(st.integers(0, 2), label="tok"))
+                if s.num_uncomputed_tokens:
+                    plan.append((s, data.draw(st.integers(1, s.num_uncomputed_tokens), label="n")))
+            need = bm.blocks_needed(plan)
+            before = snapshot(bm, live)
+            copies = bm.allocate_slots(plan)
+            if copies is None:
+                assert need > bm.num_available_blocks
+                assert snapshot(bm, live) == before
+            else:
+                assert before[3] - bm.num_available_blocks == need
+                model.apply_copies(_copies(copies))
+                for s, n in plan:
+                    model.run_chunk(ScheduledChunk(s, s.num_computed_tokens, n,
+                                                   s.num_computed_tokens + n == s.num_tokens))
+                    s.num_computed_tokens += n
+                    bm.mark_computed(s)
+        bm.check_invariants()
+        for s in live:
+            model.check_sequence(s)
+    for s in live:
+        bm.free(s)
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+
+
 # ---------------------------------------------------------------- property test
 OPS = ("admit", "step", "fork", "free", "swap_out", "swap_in")
 
@@ -383,11 +549,8 @@ def test_random_operations_keep_invariants_and_contents(data, caching, num_block
                 with pytest.raises(RuntimeError):
                     bm.append_slots(seq, n)
         elif op == "fork" and live:
-            parent = data.draw(st.sampled_from(live), label="parent")
-            child = parent.fork(next_id)
+            fork_one(data, bm, live, next_id)
             next_id += 1
-            bm.fork(parent, child)
-            live.append(child)
         elif op == "free" and (live or swapped):
             if swapped and (not live or data.draw(st.booleans(), label="free_swapped")):
                 group = swapped.pop(data.draw(st.integers(0, len(swapped) - 1), label="g"))

@@ -467,3 +467,32 @@ def test_random_workloads_finish_without_leaks(seed, num_blocks, mode, caching, 
     for i, r in enumerate(reqs):
         assert [len(o) for o in res.outputs[f"r{i}"]] == [min(r.max_tokens, 32 - len(
             r.prompt_token_ids))] * r.n
+
+
+class _PublicOnly:
+    """The block manager with its private names hidden: the scheduler uses its public API."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self._bm = bm
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(f"the scheduler reached for BlockManager.{name}")
+        return getattr(self._bm, name)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_scheduler_uses_only_public_block_manager_calls(mode):
+    rng = random.Random(3)
+    reqs = random_requests(rng, 20)
+    ref = run_checked(make_sched(num_blocks=400, max_num_seqs=64), reqs).outputs
+    bm = BlockManager(17, BS, 12, enable_prefix_caching=True, watermark=0.0)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          preemption_mode=mode, watermark=0.0)
+    sched = Scheduler(cfg, _PublicOnly(bm), BS)
+    res = run_checked(sched, reqs)
+    assert res.outputs == ref and res.num_preemptions > 0
+    if mode == "swap":
+        assert bm.num_blocks_swapped_in > 0
+    assert bm.num_cow_copies > 0 and bm.prefix_cache_hits > 0
+    sched.check_no_leaks()

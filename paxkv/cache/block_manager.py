@@ -1,12 +1,13 @@
 """Host-side bookkeeping of the paged KV pool: which physical block holds which tokens.
 
 The device pool is `num_blocks` pages of `block_size` token slots. This module never touches
-the pages; it hands out block ids and tells the caller which block copies to run:
+the pages; it hands out block ids and tells the caller which block copies to run. The
+blocks themselves (ref counts, free list, LRU of evictable cached blocks, prefix index) are
+kept by two `BlockPool`s, one for the device pages and one for the host swap space; this
+module keeps what is per sequence:
 
-- Free pool and reference counts. Block 0 is the null block (padding writes there): never
-  allocated, never freed. A block is always exactly one of: null, free, evictable-cached
-  (content kept for prefix reuse, no owner), or referenced (ref count = number of block
-  tables that hold it).
+- Block tables. Block 0 is the null block (padding writes there): never allocated, never
+  freed. A table holds a block once; a block's ref count is the number of tables holding it.
 - Copy-on-write. Forked sequences share blocks. Before a step writes into a block that
   another table also holds, the writer gets a fresh block; if the shared block already holds
   computed tokens, a (src, dst) copy is returned for the device to run first. Full blocks
@@ -20,19 +21,24 @@ the pages; it hands out block ids and tells the caller which block copies to run
 - Swap. Preempted sequences can move to a host pool of `num_host_blocks`; a block shared by
   several of the sequences swapped together moves once.
 
+The scheduler's per-step call is `allocate_slots(plan)`: it checks a whole group's plan and
+commits it in one step, or returns None and changes nothing, so the caller can preempt and
+ask again.
+
 Plain Python on purpose: per step work is a few list operations per sequence.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Iterable
 
+from paxkv.cache.block_pool import NULL_BLOCK, BlockPool
 from paxkv.engine.sequence import Sequence
 
 BlockKey = tuple  # (parent hash | None, tuple of block_size token ids)
 Plan = Iterable[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
+Copies = list[tuple[int, int]]         # (src, dst) block copies for the device to run
 
-NULL_BLOCK = 0
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockKey", "Copies", "Plan"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -44,7 +50,18 @@ def _as_list(seqs: Sequence | Iterable[Sequence]) -> list[Sequence]:
 
 
 class BlockManager:
-    """Allocation, ref counts, copy-on-write, prefix cache and swap map of one KV pool."""
+    """Block tables, copy-on-write, fork, prefix reuse, swap maps and the admission watermark
+    over a device `BlockPool` and a host `BlockPool`.
+
+    The host pool keeps no prefix index. Host blocks are a parking space, not a cache tier:
+    a host block lives from the swap-out of its group to the group's swap-in (or free), the
+    only thing that ever reads it is the copy back to the device, and the attention kernels
+    read device pages only, so a prefix hit on the host would still cost a fresh device block
+    and a copy. Keeping unowned host blocks around would only shrink the room for the next
+    swap-out, which falls back to recomputation when the host pool is full. The prefix itself
+    is not lost by swapping: swap-out releases the device blocks, and the registered ones stay
+    in the device pool's index (evictable) until they are needed for something else.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
@@ -63,14 +80,9 @@ class BlockManager:
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_blocks)
 
-        self._ref = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))  # a stack; pops 1, 2, ... first
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._block_key: list[BlockKey | None] = [None] * num_blocks
-        self._cached: dict[BlockKey, int] = {}
-
-        self._host_ref = [0] * num_host_blocks
-        self._host_free = list(range(num_host_blocks - 1, -1, -1))
+        self.device_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                                     reserve_null_block=True, name="device")
+        self.host_pool = BlockPool(num_host_blocks, name="host")
 
         self._device_seqs: dict[int, Sequence] = {}  # sequences whose table is on device
         self._host_seqs: dict[int, Sequence] = {}    # sequences whose table is on host
@@ -78,7 +90,6 @@ class BlockManager:
         # Counters for metrics.
         self.prefix_cache_queries = 0      # tokens of sequences looked up in the cache
         self.prefix_cache_hits = 0         # of those, tokens served from cached blocks
-        self.num_evictions = 0
         self.num_cow_copies = 0
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
@@ -87,30 +98,35 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks holding nothing useful (excludes evictable cached blocks)."""
-        return len(self._free)
+        return self.device_pool.num_free
 
     @property
     def num_cached_evictable_blocks(self) -> int:
         """Unowned blocks kept for prefix reuse; reclaimed LRU when needed."""
-        return len(self._evictable)
+        return self.device_pool.num_evictable
 
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation can take: free + evictable."""
-        return len(self._free) + len(self._evictable)
+        return self.device_pool.num_available
 
     @property
     def num_used_blocks(self) -> int:
         """Physical blocks held by at least one block table."""
-        return self.num_blocks - 1 - len(self._free) - len(self._evictable)
+        return self.device_pool.num_used
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        return self.host_pool.num_free
 
     @property
     def num_used_host_blocks(self) -> int:
-        return self.num_host_blocks - len(self._host_free)
+        return self.host_pool.num_used
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks recycled to make room (device pool)."""
+        return self.device_pool.num_evictions
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -130,37 +146,14 @@ class BlockManager:
         return sum(len(s.token_ids) for s in self._device_seqs.values())
 
     def ref_count(self, block: int) -> int:
-        return self._ref[block]
+        """Tables holding device block `block`."""
+        return self.device_pool.ref_counts[block]
 
     def is_on_device(self, seq: Sequence) -> bool:
         return seq.seq_id in self._device_seqs
 
     def is_on_host(self, seq: Sequence) -> bool:
         return seq.seq_id in self._host_seqs
-
-    # ------------------------------------------------------------------ block pool
-    def _take_block(self) -> int:
-        """A fresh block with ref 1: from the free pool, else evict the LRU cached block."""
-        if self._free:
-            b = self._free.pop()
-        elif self._evictable:
-            b, _ = self._evictable.popitem(last=False)
-            del self._cached[self._block_key[b]]
-            self._block_key[b] = None
-            self.num_evictions += 1
-        else:
-            raise RuntimeError("KV pool exhausted: check can_allocate / can_append first")
-        self._ref[b] = 1
-        return b
-
-    def _release(self, b: int) -> None:
-        r = self._ref[b] - 1
-        self._ref[b] = r
-        if r == 0:
-            if self._block_key[b] is not None:
-                self._evictable[b] = None  # most recently used end
-            else:
-                self._free.append(b)
 
     # ------------------------------------------------------------------ prefix cache
     def _ensure_keys(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
@@ -179,14 +172,14 @@ class BlockManager:
         Capped at (num_tokens - 1) // block_size blocks so at least the last token is
         computed: the step that computes it produces the logits to sample from.
         """
-        if not self.enable_prefix_caching or not self._cached:
+        pool = self.device_pool
+        if not self.enable_prefix_caching or not pool.num_cached:
             return []
         cap = (len(seq.token_ids) - 1) // self.block_size
         keys = self._ensure_keys(seq, cap)
         hits = []
-        cached = self._cached
         for i in range(cap):
-            b = cached.get(keys[i])
+            b = pool.get_cached_block(keys[i])
             if b is None:
                 break
             hits.append(b)
@@ -213,33 +206,28 @@ class BlockManager:
             return
         keys = self._ensure_keys(seq, full)
         table = seq.block_table
+        cache_block = self.device_pool.cache_block
         for i in range(start, full):
-            b = table[i]
-            if self._block_key[b] is None:
-                key = keys[i]
-                if key not in self._cached:
-                    self._cached[key] = b
-                    self._block_key[b] = key
+            cache_block(table[i], keys[i])
         seq.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block back to the free pool; returns how many."""
-        n = len(self._evictable)
-        for b in self._evictable:
-            del self._cached[self._block_key[b]]
-            self._block_key[b] = None
-            self._free.append(b)
-        self._evictable.clear()
-        return n
+        return self.device_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ allocation
     def _blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks that `allocate(seq, num_tokens)` takes out of the available pool."""
+        """Blocks that `allocate(seq, num_tokens)` takes out of the available pool.
+
+        The one place both `blocks_to_allocate` and `can_allocate` count from (a subclass
+        that reserves differently overrides this).
+        """
         table = seq.block_table
         if seq.seq_id in self._device_seqs:
             return max(0, _cdiv(num_tokens, self.block_size) - len(table))
         hits = self._lookup(seq)
-        from_evictable = sum(1 for b in hits if self._ref[b] == 0)
+        refs = self.device_pool.ref_counts
+        from_evictable = sum(1 for b in hits if refs[b] == 0)
         return from_evictable + max(0, _cdiv(num_tokens, self.block_size) - len(hits))
 
     def blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
@@ -257,7 +245,7 @@ class BlockManager:
         For a sequence the manager does not hold yet (new, or re-admitted after a recompute
         preemption) the table first takes the cached blocks of its longest cached prefix;
         the caller sets `num_computed_tokens` to the returned count. For a held sequence it
-        only appends fresh blocks (no copy-on-write: use `append_slots` before writing).
+        only appends fresh blocks (no copy-on-write: use `allocate_slots` before writing).
         """
         if seq.seq_id in self._host_seqs:
             raise ValueError(f"sequence {seq.seq_id} is swapped out: swap_in before allocating")
@@ -266,29 +254,32 @@ class BlockManager:
         if self._blocks_to_allocate(seq, num_tokens) > self.num_available_blocks:
             raise RuntimeError(f"cannot allocate {num_tokens} tokens for sequence {seq.seq_id}: "
                                f"{self.num_available_blocks} blocks available")
+        pool = self.device_pool
         table = seq.block_table
         cached_tokens = 0
         if seq.seq_id not in self._device_seqs:
             if table:
                 raise ValueError(f"sequence {seq.seq_id} has a block_table the manager does not own")
             hits = self._lookup(seq)
-            for b in hits:
-                if self._ref[b] == 0:
-                    del self._evictable[b]
-                self._ref[b] += 1
-                table.append(b)
+            pool.touch(hits)
+            table.extend(hits)
             cached_tokens = len(hits) * self.block_size
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(seq.token_ids)
                 self.prefix_cache_hits += cached_tokens
             seq.num_registered_blocks = len(hits)
             self._device_seqs[seq.seq_id] = seq
-        for _ in range(_cdiv(num_tokens, self.block_size) - len(table)):
-            table.append(self._take_block())
+        grow = _cdiv(num_tokens, self.block_size) - len(table)
+        if grow > 0:
+            table.extend(pool.get_new_blocks(grow))
         return cached_tokens
 
     def _blocks_needed(self, plan: Plan, refs: list[int]) -> int:
-        """Fresh blocks to write the planned new tokens: table growth + copy-on-write."""
+        """Fresh blocks to write the planned new tokens: table growth + copy-on-write.
+
+        `refs` are the ref counts of the pool the tables point into (the host pool's for
+        sequences about to be swapped in: their blocks keep the same sharing on the device).
+        """
         bs = self.block_size
         taken: dict[int, int] = {}
         total = 0
@@ -308,64 +299,90 @@ class BlockManager:
         return total
 
     def blocks_needed(self, plan: Plan) -> int:
-        """Blocks `append_slots` would take for each (sequence, new tokens) in order."""
-        return self._blocks_needed(plan, self._ref)
-
-    def decode_blocks_needed(self, seq: Sequence) -> int:
-        """`blocks_needed([(seq, 1)])` in O(1): a new block, a copy-on-write, or none."""
-        table = seq.block_table
-        idx = seq.num_computed_tokens // self.block_size
-        if idx >= len(table):
-            return 1
-        return 1 if self._ref[table[idx]] > 1 else 0
+        """Blocks `allocate_slots(plan)` would take for each (sequence, new tokens) in order."""
+        return self._blocks_needed(plan, self.device_pool.ref_counts)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        return self._blocks_needed(((seq, num_new_tokens),), self._ref) <= self.num_available_blocks
+        return self.blocks_needed(((seq, num_new_tokens),)) <= self.num_available_blocks
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
-        """Room to write K/V of tokens [num_computed, num_computed + num_new_tokens).
+    def allocate_slots(self, plan: Plan) -> Copies | None:
+        """Room to write every planned chunk, all or nothing.
 
-        Returns copy-on-write pairs (src, dst) the device must copy before the step.
+        For each (sequence, n) of `plan`, in order, the sequence's table must cover tokens
+        [num_computed, num_computed + n); a shared block in that range is replaced by a
+        fresh one (copy-on-write). If the whole plan fits the available blocks it is
+        committed and the (src, dst) copies the device must run before the step are
+        returned, in plan order. Otherwise returns None and changes nothing, so the caller
+        can preempt something and ask again. Members of one plan may share blocks (the
+        sequences of one request): the count is exact for writing them in plan order.
         """
-        if seq.seq_id not in self._device_seqs:
-            raise ValueError(f"sequence {seq.seq_id} holds no device blocks: allocate it first")
-        if num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        need = self._blocks_needed(((seq, num_new_tokens),), self._ref)
-        if need > self.num_available_blocks:
-            raise RuntimeError(f"cannot append {num_new_tokens} tokens to sequence {seq.seq_id}: "
-                               f"needs {need} blocks, {self.num_available_blocks} available")
-        return self._append_slots_unchecked(seq, num_new_tokens)
+        if not isinstance(plan, (list, tuple)):
+            plan = list(plan)
+        pool = self.device_pool
+        if len(plan) == 1:
+            seq, n = plan[0]
+            if n == 1 and seq.seq_id in self._device_seqs:  # one decode: the common case
+                table = seq.block_table
+                idx = seq.num_computed_tokens // self.block_size
+                if idx >= len(table):  # the new token opens a block
+                    if not pool.num_available:
+                        return None
+                    table.append(pool.get_new_block())
+                    return []
+                if pool.ref_counts[table[idx]] == 1:  # writes in place
+                    return []
+                if not pool.num_available:  # shared: copy-on-write
+                    return None
+                return self._commit_slots(seq, 1)
+        device_seqs = self._device_seqs
+        for seq, n in plan:
+            if seq.seq_id not in device_seqs:
+                raise ValueError(f"sequence {seq.seq_id} holds no device blocks: allocate it first")
+            if n < 1:
+                raise ValueError(f"number of new tokens must be >= 1, got {n} "
+                                 f"for sequence {seq.seq_id}")
+        if self._blocks_needed(plan, pool.ref_counts) > pool.num_available:
+            return None
+        copies: Copies = []
+        for seq, n in plan:
+            copies += self._commit_slots(seq, n)
+        return copies
 
-    def _append_slots_unchecked(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """`append_slots` without the checks, for callers that checked `blocks_needed`
-        (the scheduler checks a whole group at once, on its per-step hot path)."""
+    def _commit_slots(self, seq: Sequence, num_new_tokens: int) -> Copies:
+        """The writes of `allocate_slots` for one sequence, once the plan is known to fit."""
         bs = self.block_size
+        pool = self.device_pool
+        refs = pool.ref_counts
         table = seq.block_table
         start = seq.num_computed_tokens
-        if num_new_tokens == 1:  # decode fast path
-            idx = start // bs
-            if idx >= len(table):
-                table.append(self._take_block())
-                return []
-            b = table[idx]
-            if self._ref[b] == 1:
-                return []
         end_block = _cdiv(start + num_new_tokens, bs)
         copies = []
-        ref = self._ref
         for idx in range(start // bs, min(len(table), end_block)):
             b = table[idx]
-            if ref[b] > 1:
-                nb = self._take_block()
-                ref[b] -= 1  # stays >= 1: another table still holds it
+            if refs[b] > 1:
+                nb = pool.get_new_block()
+                pool.free((b,))  # stays held: another table still has it
                 table[idx] = nb
                 if idx * bs < start:  # holds computed tokens of this sequence: copy them
                     copies.append((b, nb))
-        for _ in range(end_block - len(table)):
-            table.append(self._take_block())
+        if end_block > len(table):
+            table.extend(pool.get_new_blocks(end_block - len(table)))
         if copies:
             self.num_cow_copies += len(copies)
+        return copies
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> Copies:
+        """`allocate_slots` for one sequence, raising RuntimeError when it does not fit.
+
+        Returns copy-on-write pairs (src, dst) the device must copy before the step.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        copies = self.allocate_slots(((seq, num_new_tokens),))
+        if copies is None:
+            need = self.blocks_needed(((seq, num_new_tokens),))
+            raise RuntimeError(f"cannot append {num_new_tokens} tokens to sequence {seq.seq_id}: "
+                               f"needs {need} blocks, {self.num_available_blocks} available")
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -375,8 +392,7 @@ class BlockManager:
         if child.seq_id in self._device_seqs or child.seq_id in self._host_seqs or child.block_table:
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
         child.block_table = list(parent.block_table)
-        for b in child.block_table:
-            self._ref[b] += 1
+        self.device_pool.touch(child.block_table)
         child.num_registered_blocks = parent.num_registered_blocks
         self._device_seqs[child.seq_id] = child
 
@@ -385,31 +401,23 @@ class BlockManager:
         if seq.seq_id in self._device_seqs:
             # Reverse order: the tail of a sequence is the least reusable prefix, so it
             # should be evicted first.
-            for b in reversed(seq.block_table):
-                self._release(b)
+            self.device_pool.free(reversed(seq.block_table))
             del self._device_seqs[seq.seq_id]
         elif seq.seq_id in self._host_seqs:
-            for h in seq.block_table:
-                self._release_host(h)
+            self.host_pool.free(seq.block_table)
             del self._host_seqs[seq.seq_id]
         seq.block_table = []
         seq.num_registered_blocks = 0
 
     # ------------------------------------------------------------------ swap
-    def _release_host(self, h: int) -> None:
-        r = self._host_ref[h] - 1
-        self._host_ref[h] = r
-        if r == 0:
-            self._host_free.append(h)
-
     def can_swap_out(self, seqs: Sequence | Iterable[Sequence]) -> bool:
         seqs = _as_list(seqs)
         if any(s.seq_id not in self._device_seqs for s in seqs):
             return False
         distinct = {b for s in seqs for b in s.block_table}
-        return len(distinct) <= len(self._host_free)
+        return len(distinct) <= self.host_pool.num_available
 
-    def swap_out(self, seqs: Sequence | Iterable[Sequence]) -> list[tuple[int, int]]:
+    def swap_out(self, seqs: Sequence | Iterable[Sequence]) -> Copies:
         """Move the sequences' tables to the host pool; returns (device, host) copies.
 
         The device must run the copies before anything else writes this step (the freed
@@ -418,6 +426,7 @@ class BlockManager:
         seqs = _as_list(seqs)
         if not self.can_swap_out(seqs):
             raise RuntimeError("cannot swap out: sequence not on device or host pool too small")
+        device, host = self.device_pool, self.host_pool
         mapping: dict[int, int] = {}
         pairs = []
         for s in seqs:
@@ -425,13 +434,13 @@ class BlockManager:
             for d in s.block_table:
                 h = mapping.get(d)
                 if h is None:
-                    h = self._host_free.pop()
+                    h = host.get_new_block()
                     mapping[d] = h
                     pairs.append((d, h))
-                self._host_ref[h] += 1
+                else:
+                    host.touch((h,))
                 host_table.append(h)
-            for d in reversed(s.block_table):
-                self._release(d)
+            device.free(reversed(s.block_table))
             s.block_table = host_table
             s.num_registered_blocks = 0
             del self._device_seqs[s.seq_id]
@@ -440,9 +449,9 @@ class BlockManager:
         return pairs
 
     def swap_in_blocks_needed(self, seqs: Sequence | Iterable[Sequence], plan: Plan = ()) -> int:
-        """Device blocks to swap `seqs` in and then append the planned new tokens."""
+        """Device blocks to swap `seqs` in and then `allocate_slots(plan)` for them."""
         distinct = {h for s in _as_list(seqs) for h in s.block_table}
-        return len(distinct) + self._blocks_needed(plan, self._host_ref)
+        return len(distinct) + self._blocks_needed(plan, self.host_pool.ref_counts)
 
     def can_swap_in(self, seqs: Sequence | Iterable[Sequence], num_extra_blocks: int = 0,
                     use_watermark: bool = True) -> bool:
@@ -453,11 +462,12 @@ class BlockManager:
         reserve = self.watermark_blocks if use_watermark else 0
         return len(distinct) + num_extra_blocks <= self.num_available_blocks - reserve
 
-    def swap_in(self, seqs: Sequence | Iterable[Sequence]) -> list[tuple[int, int]]:
+    def swap_in(self, seqs: Sequence | Iterable[Sequence]) -> Copies:
         """Move the sequences' tables back to fresh device blocks; returns (host, device) copies."""
         seqs = _as_list(seqs)
         if not self.can_swap_in(seqs, use_watermark=False):
             raise RuntimeError("cannot swap in: sequence not swapped out or device pool too small")
+        device, host = self.device_pool, self.host_pool
         mapping: dict[int, int] = {}
         pairs = []
         for s in seqs:
@@ -465,14 +475,13 @@ class BlockManager:
             for h in s.block_table:
                 d = mapping.get(h)
                 if d is None:
-                    d = self._take_block()
+                    d = device.get_new_block()
                     mapping[h] = d
                     pairs.append((h, d))
                 else:
-                    self._ref[d] += 1
+                    device.touch((d,))
                 device_table.append(d)
-            for h in s.block_table:
-                self._release_host(h)
+            host.free(s.block_table)
             s.block_table = device_table
             s.num_registered_blocks = 0  # fresh blocks: register again once computed
             del self._host_seqs[s.seq_id]
@@ -487,16 +496,6 @@ class BlockManager:
             raise AssertionError(msg)
 
         n = self.num_blocks
-        if self._ref[NULL_BLOCK] != 0 or NULL_BLOCK in self._evictable or self._block_key[NULL_BLOCK]:
-            fail("null block 0 is in use")
-        free = set(self._free)
-        if len(free) != len(self._free):
-            fail("duplicate blocks in the free list")
-        if NULL_BLOCK in free:
-            fail("null block 0 is in the free list")
-        evictable = set(self._evictable)
-        if free & evictable:
-            fail(f"blocks both free and evictable: {sorted(free & evictable)}")
         counts = [0] * n
         for s in self._device_seqs.values():
             if s.seq_id in self._host_seqs:
@@ -507,34 +506,11 @@ class BlockManager:
                 if not 0 < b < n:
                     fail(f"sequence {s.seq_id} holds invalid block {b}")
                 counts[b] += 1
-        for b in range(1, n):
-            if counts[b] != self._ref[b]:
-                fail(f"block {b}: ref count {self._ref[b]} but held by {counts[b]} tables")
-            states = (b in free) + (b in evictable) + (self._ref[b] > 0)
-            if states != 1:
-                fail(f"block {b} is in {states} of free/evictable/referenced")
-            key = self._block_key[b]
-            if b in free and key is not None:
-                fail(f"free block {b} is still registered")
-            if b in evictable and key is None:
-                fail(f"evictable block {b} is not registered")
-            if key is not None and self._cached.get(key) != b:
-                fail(f"block {b}'s key maps to block {self._cached.get(key)}")
-        if len(self._cached) != sum(k is not None for k in self._block_key):
-            fail("prefix cache index and block keys disagree")
-        if self.num_available_blocks + self.num_used_blocks != n - 1:
-            fail("block accounting does not add up")
-        host_free = set(self._host_free)
-        if len(host_free) != len(self._host_free):
-            fail("duplicate blocks in the host free list")
+        self.device_pool.check_invariants(counts)
         host_counts = [0] * self.num_host_blocks
         for s in self._host_seqs.values():
             for h in s.block_table:
                 if not 0 <= h < self.num_host_blocks:
                     fail(f"sequence {s.seq_id} holds invalid host block {h}")
                 host_counts[h] += 1
-        for h in range(self.num_host_blocks):
-            if host_counts[h] != self._host_ref[h]:
-                fail(f"host block {h}: ref count {self._host_ref[h]} but held by {host_counts[h]}")
-            if (h in host_free) == (self._host_ref[h] > 0):
-                fail(f"host block {h} is both or neither free and referenced")
+        self.host_pool.check_invariants(host_counts)

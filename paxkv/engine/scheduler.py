@@ -354,9 +354,7 @@ class Scheduler:
         decodes_all_reserved = num_decodes <= budget
         chunks = out.chunks
         copies = out.blocks_to_copy
-        append = bm._append_slots_unchecked
-        decode_need = bm.decode_blocks_needed
-        available = bm.num_available_blocks
+        allocate_slots = bm.allocate_slots
         used = 0
         end = len(seqs)
         i = 0
@@ -374,7 +372,6 @@ class Scheduler:
                         continue
                     decode_left -= 1
                     plan = ((s, 1),)
-                    need = decode_need(s)
                 elif remaining > 1:
                     n = self._chunk_len(remaining, prefill_left)
                     if not n:
@@ -382,7 +379,6 @@ class Scheduler:
                         continue
                     prefill_left -= n
                     plan = ((s, n),)
-                    need = bm.blocks_needed(plan)
                 else:
                     i = j
                     continue
@@ -403,9 +399,9 @@ class Scheduler:
                 if not plan:
                     i = j
                     continue
-                need = bm.blocks_needed(plan)
-            if need > available:
-                while need > available and end > j:
+            cow = allocate_slots(plan)
+            if cow is None:
+                while cow is None and end > j:
                     v = end - 1
                     vrid = seqs[v].request_id
                     while v - 1 >= j and seqs[v - 1].request_id == vrid:
@@ -420,28 +416,24 @@ class Scheduler:
                         decode_left -= freed
                         prefill_left += freed
                     self._preempt(victims, out)
-                    need = bm.blocks_needed(plan)  # victims may have shared blocks with us
-                    available = bm.num_available_blocks
-                if need > available:
+                    cow = allocate_slots(plan)  # victims may have shared blocks with us
+                if cow is None:
                     # Nothing newer is left: shed this group's newest members one at a time
                     # (a group that cannot fit whole must not be preempted whole, again and
                     # again).
                     members = seqs[i:j]
-                    while need > available:
+                    while cow is None:
                         victim = members.pop()
                         seats -= seat_cost(victim)
                         plan = [(m, n) for m, n in plan if m is not victim]
                         self._preempt([victim], out)
-                        need = bm.blocks_needed(plan)
-                        available = bm.num_available_blocks
+                        cow = allocate_slots(plan)
                     end = i + len(members)
                     if not plan:
                         break
-            available -= need
+            if cow:
+                copies.extend(cow)
             for m, n in plan:
-                cow = append(m, n)
-                if cow:
-                    copies.extend(cow)
                 start = m.num_computed_tokens
                 num_tokens = len(m.token_ids)
                 chunks.append(ScheduledChunk(
@@ -516,8 +508,12 @@ class Scheduler:
             self._swapped.pop(0)
             for s in group:
                 self._add_running(s)
+            cow = bm.allocate_slots(plan)
+            if cow is None:  # swap_in_blocks_needed counted these blocks
+                raise RuntimeError(f"no room for the planned chunks of swapped-in request "
+                                   f"{group[0].request_id}: block accounting is off")
+            out.blocks_to_copy.extend(cow)
             for s, n in plan:
-                out.blocks_to_copy.extend(bm._append_slots_unchecked(s, n))
                 self._emit(out, s, n)
                 budget -= n
                 used += n
