@@ -165,16 +165,17 @@ class EngineLoop:
         engine = self.engine
         while True:
             try:
-                if block:
+                if block:   # short waits keep the idle counter current for scrapers
                     t0 = time.perf_counter()
-                    cmd = self._inbox.get(timeout=0.5)
-                    self.metrics.engine_idle_seconds.inc(time.perf_counter() - t0)
+                    try:
+                        cmd = self._inbox.get(timeout=0.05)
+                    finally:
+                        self.metrics.engine_idle_seconds.inc(time.perf_counter() - t0)
                     block = False
                 else:
                     cmd = self._inbox.get_nowait()
             except queue.Empty:
                 if block:
-                    self.metrics.engine_idle_seconds.inc(0.5)
                     continue
                 return True
             kind = cmd[0]
