@@ -7,7 +7,6 @@ offline.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx

@@ -350,9 +350,11 @@ class _Format:
     """How one endpoint shapes choices, chunks and responses."""
 
     prefix = "cmpl"
+    chunk_object = "text_completion"
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, body: proto.SamplingFields) -> None:
         self.state = state
+        self.model = body.model or state.served_model_names[0]
         self.created = int(time.time())
         self.untokenized = state.tokenizer is None
         self.offsets: dict[int, int] = {}
@@ -360,15 +362,21 @@ class _Format:
     def first_chunk(self, index: int, k: int) -> dict[str, Any] | None:
         return None
 
+    def chunk(self, request_id: str, choices: list[dict[str, Any]],
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {"id": request_id, "object": self.chunk_object, "created": self.created,
+               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
 
 class _CompletionFormat(_Format):
-    prefix = "cmpl"
 
     def __init__(self, state: ServerState, body: proto.CompletionRequest, prompt_texts: list[str]):
-        super().__init__(state)
+        super().__init__(state, body)
         self.body, self.prompt_texts = body, prompt_texts
         self.echoed: set[int] = set()
-        self.model = body.model or state.served_model_names[0]
 
     def _logprobs(self, index: int, d: SampleDelta) -> dict[str, Any] | None:
         if d.logprobs is None or self.body.logprobs is None:
@@ -402,14 +410,6 @@ class _CompletionFormat(_Format):
         return {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
-    def chunk(self, request_id: str, choices: list[dict[str, Any]],
-              usage: dict[str, int] | None = None) -> dict[str, Any]:
-        out = {"id": request_id, "object": "text_completion", "created": self.created,
-               "model": self.model, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
     def response(self, request_id: str, choices: list[dict[str, Any]],
                  usage: dict[str, int]) -> dict[str, Any]:
         return self.chunk(request_id, choices, usage)
@@ -417,11 +417,11 @@ class _CompletionFormat(_Format):
 
 class _ChatFormat(_Format):
     prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, state: ServerState, body: proto.ChatCompletionRequest):
-        super().__init__(state)
+        super().__init__(state, body)
         self.body = body
-        self.model = body.model or state.served_model_names[0]
 
     def _entry(self, token: int, lp: float) -> dict[str, Any]:
         s = _token_str(self.state, token)
@@ -451,14 +451,6 @@ class _ChatFormat(_Format):
         delta = {"content": d.text} if d.text or not d.finish_reason else {}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(d),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-
-    def chunk(self, request_id: str, choices: list[dict[str, Any]],
-              usage: dict[str, int] | None = None) -> dict[str, Any]:
-        out = {"id": request_id, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.model, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
 
     def response(self, request_id: str, choices: list[dict[str, Any]],
                  usage: dict[str, int]) -> dict[str, Any]:
