@@ -32,7 +32,20 @@ def test_random_ids_concatenate_to_the_full_decode(tok, skip):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 50))]
         pieces, tail = _stream(tok, ids, rng, skip)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip)
-        assert all("\ufffd" not in p[-1:] for p in pieces)   # never ends on a split character
+
+
+def test_window_decoding_agrees_for_tokenizers_without_a_byte_table(tok, monkeypatch):
+    import paxkv.engine.detokenizer as detok
+    monkeypatch.setattr(detok, "_table_for", lambda *a: None)
+    rng = random.Random(99)
+    for _ in range(100):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        pieces, tail = _stream(tok, ids, rng)
+        assert "".join(pieces) + tail == tok.decode(ids)
+    text = "naïve café — 日本語 😀"
+    d = detok.IncrementalDetokenizer(tok)
+    pieces = [d.push([t]) for t in tok.encode(text, add_special_tokens=False)]
+    assert all("\ufffd" not in p for p in pieces) and "".join(pieces) + d.flush() == text
 
 
 def test_multibyte_characters_are_never_split(tok):
