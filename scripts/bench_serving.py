@@ -377,7 +377,13 @@ def write_reports(result: dict) -> None:
 def main(argv) -> None:
     del argv
     import logging
+    import resource
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request otherwise
+    # A thousand streams at once are a thousand sockets on each side (children inherit this).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     if FLAGS.offline_json:
         run_offline(FLAGS.offline_json)
         return
