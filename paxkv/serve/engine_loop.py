@@ -102,6 +102,8 @@ class EngineLoop:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        stream: bool) -> AsyncIterator[Update]:
         """Submit one request and yield its updates; leaving early (a client gone) aborts it."""
+        if not self.alive:   # nothing would ever answer
+            raise EngineError(f"the engine loop is not running ({self.fatal!r})")
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(("add", request_id, prompt_ids, params, stream, sink, time.monotonic()))
         finished = False
