@@ -109,6 +109,19 @@ class LLMEngine:
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
 
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The checks add_request runs, without queueing anything: (prompt text, prompt ids).
+
+        Reads only immutable engine state, so a server may call it from its own threads to
+        reject bad input before it reaches the engine thread.
+        """
+        text, ids = self._encode(prompt)
+        self._validate_prompt(ids)
+        vocab = self.model_config.vocab_size
+        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids holds an id outside the vocabulary")
+        return text, ids
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
@@ -118,11 +131,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
-        vocab = self.model_config.vocab_size
-        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError("stop_token_ids holds an id outside the vocabulary")
+        text, ids = self.check_request(prompt, params)
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Seq(next(self._seq_ids), request_id, ids, params, now)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `paxkv serve MODEL` (FastAPI + uvicorn, Prometheus metrics)."""

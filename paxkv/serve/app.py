@@ -1,0 +1,474 @@
+"""The OpenAI-compatible routes (FastAPI): completions, chat, models, tokenize, health, metrics.
+
+A handler parses its body with the protocol models, builds SamplingParams and runs the
+engine's own request checks on the event loop, so bad input is a 400 before anything reaches
+the engine thread. Admission is bounded: requests that have not produced a token yet count
+as waiting, and beyond `max_waiting_requests` a new one gets 503. Responses stream as
+server-sent events (`data: {json}` per delta, `data: [DONE]` last); a client that goes away
+has its requests aborted (by the generator's `finally`), freeing their blocks before the next
+engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from paxkv.sampling_params import SamplingParams
+from paxkv.serve import protocol as proto
+from paxkv.serve.engine_loop import EngineError, EngineLoop, SampleDelta, Update
+from paxkv.serve.errors import APIError, check_json_object, from_validation_error, from_value_error
+from paxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("paxkv.serve")
+
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclasses.dataclass
+class ServerState:
+    """Everything the routes share; built once by the CLI (or a test)."""
+
+    llm: Any
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int = 10_000
+    max_logprobs: int = 20
+    metrics: ServerMetrics | None = None
+    loop: EngineLoop | None = None
+    waiting: int = 0        # admitted engine requests that have produced no token yet
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.served_model_names[0])
+        if self.loop is None:
+            self.loop = EngineLoop(self.llm, self.metrics)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.max_model_len
+        self.max_num_seqs = self.llm.config.scheduler.max_num_seqs
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start(asyncio.get_running_loop())
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="paxkv", lifespan=lifespan)
+    app.state.paxkv = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable) -> Response:
+        if state.api_key and request.url.path not in _OPEN_PATHS:
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {state.api_key}":
+                return APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                None, "invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.loop.alive:
+            return APIError(503, "the engine loop is not running").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "paxkv",
+             "root": name, "max_model_len": state.max_model_len} for name in state.served_model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await _parse(request, proto.TokenizeRequest)
+        _check_model(state, body.model)
+        tok = _need_tokenizer(state, "prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt", "invalid_value")
+        try:
+            if body.messages is not None:
+                ids = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt)
+            else:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise from_value_error(e, default="messages") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await _parse(request, proto.DetokenizeRequest)
+        _check_model(state, body.model)
+        tok = _need_tokenizer(state, "tokens")
+        vocab = state.llm.llm_engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           "tokens", "invalid_value")
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, proto.CompletionRequest)
+        params = _prepare(state, body, {}, body.logprobs, "logprobs")
+        prompts = body.prompts()
+        ids = [_check_prompt(state, p, params, "prompt") for p in prompts]
+        texts = [p if isinstance(p, str) else _decode(state, i) for p, i in zip(prompts, ids)]
+        return await _respond(state, request, body, params, ids,
+                              _CompletionFormat(state, body, texts))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await _parse(request, proto.ChatCompletionRequest)
+        renames = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
+                   else "max_tokens", "logprobs": "top_logprobs"}
+        params = _prepare(state, body, renames, params_logprobs(body), "top_logprobs")
+        tok = _need_tokenizer(state, "messages")
+        try:
+            prompt = tok.apply_chat_template(body.conversation(),
+                                             add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            raise from_value_error(e, default="messages") from None
+        ids = [_check_prompt(state, prompt, params, "messages")]
+        return await _respond(state, request, body, params, ids, _ChatFormat(state, body))
+
+    return app
+
+
+def params_logprobs(body: proto.ChatCompletionRequest) -> int | None:
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+# ---- request checks ------------------------------------------------------------------------
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    check_json_object(raw)
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    extra = body.unknown_fields() if isinstance(body, proto.OpenAIModel) else []
+    if extra:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+    return body
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise APIError(404, f"the model `{model}` does not exist (served: "
+                       f"{', '.join(state.served_model_names)})", "model", "model_not_found")
+
+
+def _need_tokenizer(state: ServerState, param: str) -> Any:
+    if state.tokenizer is None:
+        raise APIError(400, f"{param}: this model has no tokenizer; use token-id prompts with "
+                       "/v1/completions", param, "no_tokenizer")
+    return state.tokenizer
+
+
+def _prepare(state: ServerState, body: proto.SamplingFields, renames: dict[str, str],
+             logprobs: int | None, logprobs_field: str) -> SamplingParams:
+    """Model, unsupported fields, SamplingParams (the engine's checks) and server limits."""
+    _check_model(state, body.model)
+    bad = body.unsupported()
+    if bad is not None:
+        raise APIError(400, bad[1], bad[0], "unsupported")
+    try:
+        params = body.to_sampling_params()
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+    except TypeError as e:
+        raise APIError(400, str(e), None, "invalid_value") from None
+    if logprobs is not None and logprobs > state.max_logprobs:
+        raise APIError(400, f"{logprobs_field} must be <= {state.max_logprobs}, got {logprobs}",
+                       logprobs_field, "invalid_value")
+    if params.best_of > state.max_num_seqs:
+        field = "best_of" if params.best_of > params.n else "n"
+        raise APIError(400, f"{field} must be <= max_num_seqs ({state.max_num_seqs}), got "
+                       f"{params.best_of}", field, "invalid_value")
+    return params
+
+
+def _check_prompt(state: ServerState, prompt: Any, params: SamplingParams, field: str) -> list[int]:
+    try:
+        return state.loop.check(prompt, params)
+    except ValueError as e:
+        raise from_value_error(e, {"prompt": field}, default=field) from None
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
+
+
+def _token_str(state: ServerState, token: int) -> str:
+    if state.tokenizer is None:
+        return f"token_id:{token}"
+    return state.tokenizer.decode([token], skip_special_tokens=False)
+
+
+# ---- running requests ------------------------------------------------------------------------
+def _check_capacity(state: ServerState, count: int) -> None:
+    """503 when `count` more requests would overflow the bound on waiting requests."""
+    if state.waiting + count > state.max_waiting_requests:
+        state.metrics.requests_rejected.inc()
+        raise APIError(503, f"too many requests waiting ({state.waiting}; the bound is "
+                       f"{state.max_waiting_requests}): retry later", None, "queue_full")
+
+
+async def _merged(state: ServerState, request_id: str, ids: list[list[int]], params: SamplingParams,
+                  stream: bool) -> AsyncIterator[tuple[int, Update]]:
+    """Run one engine request per prompt and yield (prompt index, update) as they come.
+
+    Leaving early cancels the consumers, whose generators abort their engine requests.
+    """
+    state.waiting += len(ids)
+    if len(ids) == 1:   # the common case: no merging queue, one task switch less per delta
+        waiting = True
+        try:
+            async with contextlib.aclosing(state.loop.generate(f"{request_id}-0", ids[0], params,
+                                                               stream)) as updates:
+                async for update in updates:
+                    if waiting:
+                        waiting = False
+                        state.waiting -= 1
+                    yield 0, update
+        except EngineError as e:
+            raise APIError(500, str(e), None, "engine_error") from None
+        finally:
+            if waiting:
+                state.waiting -= 1
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def consume(k: int, prompt_ids: list[int]) -> None:
+        waiting = True
+        try:
+            async for update in state.loop.generate(f"{request_id}-{k}", prompt_ids, params, stream):
+                if waiting:
+                    waiting = False
+                    state.waiting -= 1
+                await merged.put((k, update))
+        except EngineError as e:
+            await merged.put((k, e))
+        finally:
+            if waiting:
+                state.waiting -= 1
+            await merged.put((k, None))
+
+    tasks = [asyncio.ensure_future(consume(k, p)) for k, p in enumerate(ids)]
+    try:
+        live = len(tasks)
+        while live:
+            k, item = await merged.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, EngineError):
+                raise APIError(500, str(item), None, "engine_error")
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _respond(state: ServerState, request: Request, body: proto.SamplingFields,
+                   params: SamplingParams, ids: list[list[int]], fmt: "_Format") -> Response:
+    request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+    _check_capacity(state, len(ids))   # a full queue is a 503 now, not an error in a stream
+    if body.stream:
+        return StreamingResponse(_sse(state, request_id, body, params, ids, fmt),
+                                 media_type="text/event-stream")
+    finals: dict[tuple[int, int], SampleDelta] = {}
+    usage = [0] * len(ids), [0] * len(ids)
+
+    async def collect() -> None:
+        async for k, update in _merged(state, request_id, ids, params, stream=False):
+            usage[0][k], usage[1][k] = update.num_prompt_tokens, update.num_output_tokens
+            for d in update.deltas:
+                finals[(k, d.index)] = d
+
+    task = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():   # the client went away: cancelling aborts its engine requests
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    gone.cancel()
+    task.result()
+    choices = [fmt.choice(k * params.n + d.index, d, k) for (k, _), d in sorted(finals.items())]
+    return JSONResponse(fmt.response(request_id, choices, _usage(usage)))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(usage: tuple[list[int], list[int]]) -> dict[str, int]:
+    prompt, completion = sum(usage[0]), sum(usage[1])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def _sse(state: ServerState, request_id: str, body: proto.SamplingFields,
+               params: SamplingParams, ids: list[list[int]], fmt: "_Format") -> AsyncIterator[str]:
+    usage = [len(i) for i in ids], [0] * len(ids)
+    try:
+        for k in range(len(ids)):
+            for i in range(params.n):
+                first = fmt.first_chunk(k * params.n + i, k)
+                if first is not None:
+                    yield _event(fmt.chunk(request_id, [first]))
+        async for k, update in _merged(state, request_id, ids, params, stream=True):
+            usage[1][k] = update.num_output_tokens
+            choices = [fmt.stream_choice(k * params.n + d.index, d, k) for d in update.deltas
+                       if d.text or d.logprobs or d.finish_reason or fmt.untokenized]
+            if choices:
+                yield _event(fmt.chunk(request_id, choices))
+        if body.include_usage:
+            yield _event(fmt.chunk(request_id, [], _usage(usage)))
+    except APIError as e:
+        yield _event({"error": {"message": e.message, "type": APIError.TYPES.get(e.status),
+                                "param": e.param, "code": e.code}})
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ---- response shapes ---------------------------------------------------------------------------
+class _Format:
+    """How one endpoint shapes choices, chunks and responses."""
+
+    prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def __init__(self, state: ServerState, body: proto.SamplingFields) -> None:
+        self.state = state
+        self.model = body.model or state.served_model_names[0]
+        self.created = int(time.time())
+        self.untokenized = state.tokenizer is None
+        self.offsets: dict[int, int] = {}
+
+    def first_chunk(self, index: int, k: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, request_id: str, choices: list[dict[str, Any]],
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {"id": request_id, "object": self.chunk_object, "created": self.created,
+               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+class _CompletionFormat(_Format):
+
+    def __init__(self, state: ServerState, body: proto.CompletionRequest, prompt_texts: list[str]):
+        super().__init__(state, body)
+        self.body, self.prompt_texts = body, prompt_texts
+        self.echoed: set[int] = set()
+
+    def _logprobs(self, index: int, d: SampleDelta) -> dict[str, Any] | None:
+        if d.logprobs is None or self.body.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
+        for tok, entry in zip(d.token_ids, d.logprobs):
+            s = _token_str(self.state, tok)
+            tokens.append(s)
+            token_lps.append(entry.get(tok))
+            tops.append({_token_str(self.state, t): lp for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(s)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _echo(self, index: int, k: int) -> str:
+        if self.body.echo and index not in self.echoed:
+            self.echoed.add(index)
+            return self.prompt_texts[k]
+        return ""
+
+    def choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
+        echo = self.prompt_texts[k] if self.body.echo else ""
+        return {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def stream_choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
+        echo = self._echo(index, k)   # the prompt once, in the first delta of each choice
+        return {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def response(self, request_id: str, choices: list[dict[str, Any]],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        return self.chunk(request_id, choices, usage)
+
+
+class _ChatFormat(_Format):
+    prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, state: ServerState, body: proto.ChatCompletionRequest):
+        super().__init__(state, body)
+        self.body = body
+
+    def _entry(self, token: int, lp: float) -> dict[str, Any]:
+        s = _token_str(self.state, token)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, d: SampleDelta) -> dict[str, Any] | None:
+        if d.logprobs is None or not self.body.logprobs:
+            return None
+        k = self.body.top_logprobs or 0
+        content = []
+        for tok, entry in zip(d.token_ids, d.logprobs):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            content.append({**self._entry(tok, entry.get(tok)),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in top]})
+        return {"content": content}
+
+    def choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": d.text},
+                "logprobs": self._logprobs(d), "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason}
+
+    def first_chunk(self, index: int, k: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def stream_choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
+        delta = {"content": d.text} if d.text or not d.finish_reason else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(d),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def response(self, request_id: str, choices: list[dict[str, Any]],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": usage}

@@ -1,0 +1,174 @@
+"""`paxkv serve MODEL` / `python3 -m paxkv.serve MODEL`: flags, model load, uvicorn.
+
+Engine flags are derived from `LLM.__init__`'s signature, under vLLM's spelling
+(`max_num_seqs` -> `--max-num-seqs`, booleans as `--x / --no-x`), so a new LLM argument
+becomes a flag without touching this file; LLM itself checks the values (a bad one is a
+usage error naming the field). argparse rather than absl here: vLLM's dashed
+names and `--no-` booleans are what users of `vllm serve` type.
+
+Shutdown: uvicorn handles SIGTERM / SIGINT by closing the listening socket, letting the
+open responses finish (up to --shutdown-timeout seconds, after which they are cancelled and
+their requests aborted), then stopping the engine loop; the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import os
+import selectors
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+logger = logging.getLogger("paxkv.serve")
+
+# LLM arguments that are not engine settings a flag can carry.
+_NOT_FLAGS = {"self", "model", "params", "tokenizer"}
+_HELP = {
+    "dtype": "weights and activations dtype (auto: bfloat16 on GPU, float32 on CPU)",
+    "block_size": "tokens per KV block",
+    "gpu_memory_utilization": "share of device memory for weights, activations and the KV pool",
+    "num_gpu_blocks_override": "fix the number of KV blocks instead of profiling memory",
+    "max_num_seqs": "sequences in the running batch at most",
+    "max_num_batched_tokens": "tokens per engine step at most",
+    "max_model_len": "longest sequence (prompt + output); default: the model's, capped at 8192",
+    "kv_cache_dtype": "KV page storage dtype (8-bit ones store per-token scales)",
+    "enable_prefix_caching": "share KV blocks of identical prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps under the token budget",
+    "preemption_mode": "what to do with a sequence when the pool runs dry",
+    "swap_space": "GiB of host memory for swapped-out blocks (preemption_mode=swap)",
+    "scheduler": "continuous (iteration-level) or static (request-level) batching",
+    "attention_backend": "attention implementation",
+    "tensor_parallel_size": "devices to shard the model over",
+    "seed": "seed of requests that give none, and of random weights",
+    "num_scheduler_steps": "decode steps per host round trip",
+}
+
+
+def _annotation_type(annotation: Any, default: Any) -> type | None:
+    """int / float / str / bool from a (string) annotation or the default's type."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.split("|")[0].strip() == name or (default is not None and type(default) is typ):
+            return typ
+    return None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per LLM(...) engine argument; returns the argument names."""
+    from paxkv.llm import LLM
+    names = []
+    group = parser.add_argument_group("engine (LLM arguments)")
+    for name, p in inspect.signature(LLM.__init__).parameters.items():
+        if name in _NOT_FLAGS or p.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+            continue
+        typ = _annotation_type(p.annotation, p.default)
+        if typ is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{_HELP.get(name, f'LLM({name}=...)')} (default: {p.default})"
+        if typ is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=p.default, help=help_)
+        else:
+            group.add_argument(flag, dest=name, type=typ, default=p.default, help=help_)
+        names.append(name)
+    return names
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="paxkv serve", description="Serve a model over the OpenAI API (completions, chat).")
+    parser.add_argument("model", nargs="?", default="tiny",
+                        help="preset name ('tiny', 'llama3-8b', ...) or Hugging Face checkpoint dir")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=os.environ.get("PAXKV_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $PAXKV_API_KEY)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use (default: MODEL)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (default: the checkpoint's own)")
+    parser.add_argument("--max-waiting-requests", type=int, default=10_000,
+                        help="requests without a first token at most; beyond, new ones get 503")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="largest logprobs / top_logprobs a request may ask for")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight responses get to finish after SIGTERM")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="do not log one line per HTTP request")
+    names = add_engine_flags(parser)
+    return parser, names
+
+
+class _TimedSelector(selectors.DefaultSelector):
+    """The event loop's selector, counting the time the loop spends *outside* select():
+    the frontend's own work (HTTP parsing, handlers, JSON, SSE writes)."""
+
+    def __init__(self, counter: Any) -> None:
+        super().__init__()
+        self._counter = counter
+        self._since = time.perf_counter()
+
+    def select(self, timeout: float | None = None) -> Any:
+        self._counter.inc(time.perf_counter() - self._since)
+        try:
+            return super().select(timeout)
+        finally:
+            self._since = time.perf_counter()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, names = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting_requests < 0:
+        parser.error("--max-waiting-requests must be >= 0")
+
+    import uvicorn
+
+    from paxkv.llm import LLM
+    from paxkv.serve.app import ServerState, build_app
+
+    engine_args = {n: getattr(args, n) for n in names}
+    if args.tokenizer is not None:
+        from paxkv.tokenizer import load_tokenizer
+        engine_args["tokenizer"] = load_tokenizer(args.tokenizer)
+        if engine_args["tokenizer"] is None:
+            parser.error(f"--tokenizer {args.tokenizer}: no tokenizer files there")
+    logger.info("loading %s with %s", args.model, engine_args)
+    try:
+        llm = LLM(args.model, **engine_args)
+    except ValueError as e:
+        parser.error(str(e))
+    state = ServerState(llm, args.served_model_name or [args.model], api_key=args.api_key,
+                        max_waiting_requests=args.max_waiting_requests,
+                        max_logprobs=args.max_logprobs)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a handler that does
+    # nothing makes that a clean exit 0 instead of death by SIGTERM.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    loop = asyncio.SelectorEventLoop(_TimedSelector(state.metrics.frontend_busy_seconds))
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(server.serve())
+    finally:
+        state.loop.stop()
+        loop.close()
+    if state.loop.fatal is not None:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Prometheus metrics of the server, under vLLM's names with a `paxkv:` prefix.
+
+Each server owns a private CollectorRegistry (several servers in one process, as in tests,
+never collide). Gauges are set by the engine thread after every step; counters and
+histograms are updated where the event happens. The `*_seconds_total` counters split the
+server's wall time (engine step, output processing / detokenization, engine idle, event-loop
+busy) so a benchmark can state where the time went.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self.num_requests_running = Gauge("paxkv:num_requests_running",
+                                          "Requests with sequences in the running batch", registry=r)
+        self.num_requests_waiting = Gauge("paxkv:num_requests_waiting",
+                                          "Requests waiting to be scheduled", registry=r)
+        self.num_requests_swapped = Gauge("paxkv:num_requests_swapped",
+                                          "Sequences swapped out to host memory", registry=r)
+        self.kv_cache_usage_perc = Gauge("paxkv:kv_cache_usage_perc",
+                                         "Share of KV blocks in use (1 = full)", registry=r)
+        self.num_preemptions = Counter("paxkv:num_preemptions",
+                                       "Sequences preempted (recompute or swap)", registry=r)
+        self.prefix_cache_queries = Counter("paxkv:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("paxkv:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache", registry=r)
+        self.prompt_tokens = Counter("paxkv:prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("paxkv:generation_tokens", "Tokens generated", registry=r)
+        self.requests_finished = Counter("paxkv:request_success", "Requests finished", registry=r)
+        self.requests_aborted = Counter("paxkv:request_aborted",
+                                        "Requests aborted (client gone or shutdown)", registry=r)
+        self.requests_rejected = Counter("paxkv:request_rejected",
+                                         "Requests refused with 503 (waiting queue full)", registry=r)
+        self.ttft = Histogram("paxkv:time_to_first_token_seconds",
+                              "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("paxkv:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("paxkv:e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_step_seconds = Counter("paxkv:engine_step_seconds",
+                                           "Wall time inside engine.step()", registry=r)
+        self.output_processing_seconds = Counter(
+            "paxkv:output_processing_seconds",
+            "Engine-thread time turning step outputs into updates (detokenization included)",
+            registry=r)
+        self.engine_idle_seconds = Counter("paxkv:engine_idle_seconds",
+                                           "Engine thread waiting for requests", registry=r)
+        self.frontend_busy_seconds = Counter(
+            "paxkv:frontend_busy_seconds",
+            "Event-loop time not spent waiting for sockets (HTTP parsing, handlers, JSON, SSE)",
+            registry=r)
+        self.num_compilations = Gauge("paxkv:num_compilations",
+                                      "Step programs compiled so far (steady state adds none)",
+                                      registry=r)
+        self.compile_seconds = Gauge("paxkv:compile_seconds", "Time spent compiling step programs",
+                                     registry=r)
+        self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
+
+    def observe_step(self, engine: Any, step_s: float, process_s: float) -> None:
+        """Engine-thread bookkeeping after one step: gauges, counters, and bounded history."""
+        self.observe_state(engine)
+        self.engine_step_seconds.inc(step_s)
+        self.output_processing_seconds.inc(process_s)
+        # The engine keeps one StepStats per step for offline summaries; a server runs for days.
+        engine.metrics.steps.clear()
+
+    def observe_state(self, engine: Any) -> None:
+        """Gauges and cumulative counters from the engine (also after aborts, with no step)."""
+        sched, bm = engine.scheduler, engine.block_manager
+        waiting = sched.num_waiting
+        self.num_requests_waiting.set(waiting)
+        self.num_requests_swapped.set(sched.num_swapped)
+        self.num_requests_running.set(max(0, engine.get_num_unfinished_requests() - waiting
+                                          - sched.num_swapped))
+        self.kv_cache_usage_perc.set(bm.num_used_blocks / max(1, bm.num_blocks - 1))
+        self._advance(self.num_preemptions, "_preemptions_seen", sched.num_preemptions)
+        self._advance(self.prefix_cache_queries, "_queries_seen", bm.prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "_hits_seen", bm.prefix_cache_hits)
+        runner = getattr(engine, "runner", None)
+        if runner is not None:
+            self.num_compilations.set(getattr(runner, "num_compilations", 0))
+            self.compile_seconds.set(getattr(runner, "compile_time_s", 0.0))
+
+    def _advance(self, counter: Counter, attr: str, total: int) -> None:
+        seen = getattr(self, attr)
+        if total > seen:
+            counter.inc(total - seen)
+        setattr(self, attr, total)
+
+    def observe_finished(self, arrival: float, first_token: float | None, finish: float,
+                         num_tokens: int) -> None:
+        self.requests_finished.inc()
+        self.e2e.observe(finish - arrival)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_tokens > 1:
+                self.tpot.observe((finish - first_token) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

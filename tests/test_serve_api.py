@@ -1,0 +1,299 @@
+"""The OpenAI-compatible server, driven over HTTP by the official `openai` client and by httpx.
+
+One server subprocess (tiny model, CPU) serves the whole module. Every text it returns is
+compared with `LLM.generate` in this process on the same seeds: non-streamed == streamed ==
+offline.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from paxkv import LLM, SamplingParams
+from serve_helpers import ServerProcess, compile_cache_env, use_compile_cache
+
+ENGINE_ARGS = dict(max_num_seqs=64, max_model_len=256, max_num_batched_tokens=256, seed=0)
+PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy walked into the room",
+           "Elizabeth could not help", "The weather at Longbourn", "Lady Catherine said that",
+           "Jane wrote to her sister"]
+
+
+def _flags(args: dict) -> list[str]:
+    return [f for k, v in args.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(request):
+    # Compiled step programs survive between runs (on 2 CPU cores each takes seconds).
+    return str(request.config.cache.mkdir("paxkv_jax_compile_cache"))
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir):
+    s = ServerProcess(["tiny", *_flags(ENGINE_ARGS)], env=compile_cache_env(cache_dir))
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def llm(cache_dir):
+    use_compile_cache(cache_dir)
+    return LLM("tiny", **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _offline(llm, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0]
+
+
+def _stream_texts(stream) -> tuple[dict[int, str], dict[int, str], dict | None]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_models_health_and_tokenize(server, llm):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    models = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == llm.get_tokenizer().encode(PROMPTS[0])
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    r2 = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert r2["prompt"] == PROMPTS[0]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7),
+                                dict(temperature=1.0, top_k=20, seed=11, n=2)])
+def test_completion_stream_and_offline_agree(client, llm, kw):
+    n = kw.get("n", 1)
+    extra = {k: kw[k] for k in ("top_k",) if k in kw}
+    api = {k: v for k, v in kw.items() if k not in extra}
+    full = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=40,
+                                     extra_body=extra, **api)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=40, stream=True,
+                                       stream_options={"include_usage": True}, extra_body=extra, **api)
+    texts, reasons, usage = _stream_texts(stream)
+    ref = _offline(llm, PROMPTS[1], max_tokens=40, **kw)
+    assert len(full.choices) == n
+    for i in range(n):
+        assert full.choices[i].text == texts[i] == ref.outputs[i].text
+        assert full.choices[i].finish_reason == reasons[i] == ref.outputs[i].finish_reason
+    assert full.usage.prompt_tokens == usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert full.usage.completion_tokens == usage.completion_tokens == sum(
+        len(o.token_ids) for o in ref.outputs)
+
+
+def test_chat_stream_and_offline_agree(client, llm):
+    messages = [{"role": "system", "content": "You write like Jane Austen."},
+                {"role": "user", "content": "Describe a ball at Netherfield."}]
+    kw = dict(temperature=0.8, seed=3, max_tokens=48)
+    full = client.chat.completions.create(model="tiny", messages=messages, **kw)
+    stream = client.chat.completions.create(model="tiny", messages=messages, stream=True, **kw)
+    texts, reasons, _ = _stream_texts(stream)
+    ids = llm.get_tokenizer().apply_chat_template(messages)
+    ref = _offline(llm, ids, **kw)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == texts[0] == ref.outputs[0].text
+    assert full.choices[0].finish_reason == reasons[0] == ref.outputs[0].finish_reason
+    assert full.usage.prompt_tokens == len(ids)
+    # max_completion_tokens is the newer name of max_tokens
+    short = client.chat.completions.create(model="tiny", messages=messages, temperature=0.0,
+                                           max_completion_tokens=5)
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_streamed_and_not(client, llm):
+    greedy = _offline(llm, PROMPTS[0], temperature=0.0, max_tokens=40).outputs[0].text
+    words = greedy.split()
+    stop = " " + words[len(words) // 2]        # a word that greedy decoding reaches mid-way
+    full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40,
+                                     temperature=0.0, stop=[stop, "@@never@@"])
+    texts, reasons, _ = _stream_texts(client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0.0, stop=[stop, "@@never@@"],
+        stream=True))
+    ref = _offline(llm, PROMPTS[0], temperature=0.0, max_tokens=40, stop=[stop, "@@never@@"])
+    assert full.choices[0].text == texts[0] == ref.outputs[0].text == greedy[:greedy.index(stop)]
+    assert full.choices[0].finish_reason == reasons[0] == "stop"
+    assert full.choices[0].stop_reason == stop
+
+
+def test_logprobs(client, llm):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8,
+                                     temperature=0.0, logprobs=2)
+    ref = _offline(llm, PROMPTS[2], max_tokens=8, temperature=0.0, logprobs=2).outputs[0]
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for got, want_tok, want in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
+        assert got == pytest.approx(want[want_tok], abs=1e-4)
+    assert all(len(t) >= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.logprob <= 0 for c in content)
+
+
+def test_token_prompts_batches_and_echo(client, llm):
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    full = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0.0)
+    refs = llm.generate(ids, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert [c.text for c in full.choices] == [r.outputs[0].text for r in refs]
+    echo = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=4, temperature=0.0,
+                                     echo=True)
+    assert echo.choices[0].text.startswith(PROMPTS[3])
+    texts, _, _ = _stream_texts(client.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=4, temperature=0.0, echo=True, stream=True))
+    assert texts[0] == echo.choices[0].text
+    best = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=6, n=2, best_of=3,
+                                     temperature=1.0, seed=5)
+    ref = _offline(llm, PROMPTS[4], max_tokens=6, n=2, best_of=3, temperature=1.0, seed=5)
+    assert [c.text for c in best.choices] == [o.text for o in ref.outputs]
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 10**9}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "seed": 2**40}, "seed"),
+    ({"prompt": "x", "logprobs": 1000}, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": [5, 10**7]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "word " * 400}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"max_tokens": 3}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
+def test_bad_completion_requests_are_400_naming_the_field(server, body, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 100},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi " * 400}]}, "messages"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_malformed_bodies_and_unknown_model(server):
+    for raw in (b"{not json", b"[1, 2]", b"", b'"prompt"'):
+        r = httpx.post(f"{server.url}/v1/completions", content=raw,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", raw
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).completions.create(
+            model="gpt-9", prompt="x")
+    # The server still serves after all of that.
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+async def _stream_one(url: str, prompt: str, seed: int) -> tuple[str, int]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                             temperature=0.8, seed=seed, stream=True,
+                                             stream_options={"include_usage": True})
+    text, tokens = "", 0
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    await client.close()
+    return text, tokens
+
+
+def test_64_concurrent_streams_each_get_what_they_get_alone(server, llm):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i % 3) for i in range(64)]
+
+    async def run_all():
+        return await asyncio.gather(*[_stream_one(server.url, p, i) for i, p in enumerate(prompts)])
+
+    results = asyncio.run(run_all())
+    # Alone: a few through the server, every one through the offline engine.
+    for i in (0, 21, 63):
+        assert asyncio.run(_stream_one(server.url, prompts[i], i)) == results[i], i
+    for i, (text, tokens) in enumerate(results):
+        ref = _offline(llm, prompts[i], max_tokens=16, temperature=0.8, seed=i).outputs[0]
+        assert (text, tokens) == (ref.text, len(ref.token_ids)), i
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    aborted_before = server.metric("paxkv:request_aborted_total")
+    body = {"prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (server.metric("paxkv:request_aborted_total") > aborted_before
+                and server.metric("paxkv:num_requests_running") == 0):
+            break
+        time.sleep(0.1)
+    assert server.metric("paxkv:request_aborted_total") == aborted_before + 1
+    assert server.metric("paxkv:num_requests_running") == 0
+    assert server.metric("paxkv:num_requests_waiting") == 0
+    assert server.metric("paxkv:kv_cache_usage_perc") == 0
+    assert server.metric("paxkv:generation_tokens_total") > 0
+
+
+def test_metrics_names(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("paxkv:num_requests_running", "paxkv:num_requests_waiting",
+                 "paxkv:kv_cache_usage_perc", "paxkv:num_preemptions_total",
+                 "paxkv:prefix_cache_queries_total", "paxkv:prefix_cache_hits_total",
+                 "paxkv:prompt_tokens_total", "paxkv:generation_tokens_total",
+                 "paxkv:time_to_first_token_seconds_bucket",
+                 "paxkv:time_per_output_token_seconds_bucket",
+                 "paxkv:e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert server.metric("paxkv:e2e_request_latency_seconds_count") > 0
