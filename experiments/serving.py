@@ -363,6 +363,10 @@ def write_serving_results(name: str, s: Any, *, title: str, results: dict[str, A
     """Writes a serving experiment's files under `--out_dir` with the command, hardware and
     settings, then prints the table (`quiet`: only the paths, for a sweep's interim writes)."""
     f = flags.FLAGS
+    runs = {r.get("run_started", "before resuming was recorded") for r in results.get("runs", [])}
+    if len(runs) > 1:
+        notes += (f" The points were measured in {len(runs)} runs, each resuming the last (`--resume_from`); "
+                  "every point's `run_started` in the json says which run measured it.")
     paths = common.write_results(
         result_name(name), f.out_dir, title=title,
         command=common.command_line(), hardware=engine_hardware(s.engine.model),
@@ -370,6 +374,10 @@ def write_serving_results(name: str, s: Any, *, title: str, results: dict[str, A
     if not quiet:
         print(table)
     print("wrote", ", ".join(paths.values()))
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class SweepLog:
@@ -389,12 +397,14 @@ class SweepLog:
         self.write = write
         self.num_resumed = len(self.rows)
         self._done = {key(r) for r in self.rows}
+        self.started = _utc_now()
 
     def done(self, *key: Any) -> bool:
         return tuple(key) in self._done
 
     def add(self, row: dict[str, Any]) -> None:
-        row.setdefault("measured_at", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        row.setdefault("run_started", self.started)
+        row.setdefault("measured_at", _utc_now())
         self.rows.append(row)
         self._done.add(self.key(row))
         if self.write is not None:
