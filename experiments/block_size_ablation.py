@@ -139,7 +139,8 @@ def write(s: configs.BlockSizeSettings, rows: list[dict[str, Any]], skipped: lis
     serving.write_serving_results(
         NAME, s,
         title="Block size: throughput and latency at a fixed KV pool (paper Fig. 18b)",
-        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final, "traces": traces,
+        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
+                 "traces": traces,
                  "best": {t: dict(zip(("highest", "near_best"), best_sizes(rows, t)))
                           for t, _ in s.traces if any(r["trace"] == t for r in rows)},
                  "paper": {"block_size_best": common.PAPER["block_size_best"]}},
@@ -151,10 +152,7 @@ def main(argv: list[str]) -> None:
     s = serving.settings_from_flags(NAME)
     if FLAGS.block_sizes:
         s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
-    log = serving.sweep_log(NAME, s, point_key, ("block_sizes",),
-                            write=lambda rows: write(s, rows, [], final=False))
-    rows, skipped = sweep(s, log)
-    write(s, rows, skipped)
+    serving.run_resumable(NAME, s, point_key, ("block_sizes",), sweep, write)
 
 
 if __name__ == "__main__":

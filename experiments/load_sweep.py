@@ -271,7 +271,10 @@ def run(name: str, s: Any, loads: dict[str, Load], policies: Sequence[str], make
     budget = serving.Budget(s.time_budget_s)
     warm = sweep(name=name, loads=loads, policies=policies, make_llm=make_llm, drain_s=s.drain_s, seed=s.seed,
                  budget=budget, log=log, progress=progress)
-    write(log.rows, budget.skipped, warm, final=True)
+    if log.rows:
+        write(log.rows, budget.skipped, warm, final=True)
+    else:
+        print(f"{name}: no point ran within the time budget and none was resumed; nothing written")
     return log.rows, budget.skipped, warm
 
 
@@ -279,4 +282,5 @@ def warm_note(warm: dict[str, Any]) -> str:
     """The notes' sentence on what the warm-ups compiled."""
     if not warm:
         return "No warm-up ran in this call (every point was resumed)."
-    return "Warm-up compiles: " + ", ".join(f"{k} {w['compiles']} in {w['compile_s']:.1f} s" for k, w in warm.items()) + "."
+    parts = [f"{k} {w['compiles']} in {w['compile_s']:.1f} s" for k, w in warm.items()]
+    return "Warm-up compiles: " + ", ".join(parts) + "."

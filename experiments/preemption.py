@@ -167,10 +167,7 @@ def main(argv: list[str]) -> None:
     s = serving.settings_from_flags(NAME)
     if FLAGS.block_sizes:
         s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
-    log = serving.sweep_log(NAME, s, point_key, ("block_sizes",),
-                            write=lambda rows: write(s, rows, [], final=False))
-    rows, skipped = sweep(s, log)
-    write(s, rows, skipped)
+    serving.run_resumable(NAME, s, point_key, ("block_sizes",), sweep, write)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def loads(s: configs.SamplingVsRateSettings) -> dict[str, load_sweep.Load]:
     out = {}
     for kind, width in groups(s):
         # The static policy admits about cap // width requests per batch: warm it on two batches.
-        warm = lambda p, w=width: s.warmup_requests if p != "static" else max(1, min(s.warmup_requests, 2 * cap // w))  # noqa: E731
+        def warm(p: str, w: int = width) -> int:
+            return s.warmup_requests if p != "static" else max(1, min(s.warmup_requests, 2 * cap // w))
         out[group_name(kind, width)] = load_sweep.Load(rates=s.rates, trace=lambda rate: trace_at(s, rate),
                                                        work=work_for(kind, width, s), warmup=warm)
     return out

@@ -444,6 +444,15 @@ def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
     return rows
 
 
+def run_resumable(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],
+                  sweep: Callable[..., tuple], write: Callable[..., None]) -> None:
+    """An experiment's main: `sweep(s, log)` from the points of `--resume_from`, writing the
+    files after every point (`write(s, rows, [], final=False)`) and at the end."""
+    log = sweep_log(name, s, key, point_fields, write=lambda rows: write(s, rows, [], final=False))
+    rows, skipped = sweep(s, log)[:2]
+    write(s, rows, skipped)
+
+
 def sweep_log(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],
               write: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepLog:
     """A SweepLog holding the points of `--resume_from` (when given), for experiment `name`."""

@@ -189,10 +189,7 @@ def write(s: configs.SharingSettings, rows: list[dict[str, Any]], skipped: list[
 def main(argv: list[str]) -> None:
     del argv
     s = serving.settings_from_flags(NAME)
-    log = serving.sweep_log(NAME, s, point_key, ("parallel_n", "beam_widths"),
-                            write=lambda rows: write(s, rows, [], final=False))
-    rows, skipped = sweep(s, log)
-    write(s, rows, skipped)
+    serving.run_resumable(NAME, s, point_key, ("parallel_n", "beam_widths"), sweep, write)
 
 
 if __name__ == "__main__":

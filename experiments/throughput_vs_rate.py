@@ -122,24 +122,7 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
                          f"({th['threshold_s'] * 1e3:.1f} ms/token)" for th in an["thresholds"]]
     cols.append("peak finished requests/s")
     table = "## Against the paper (Fig. 12)\n\n" + common.markdown_table(cols, head)
-    by_rate = {}
-    for r in rows:
-        by_rate.setdefault(r["rate"], {})[r["policy"]] = r
-    lines = []
-    for rate in sorted(by_rate):
-        cells = [f"{rate:g}"]
-        for p in s.policies:
-            r = by_rate[rate].get(p)
-            if r is None:
-                cells += ["skipped", "", ""]
-                continue
-            lat = serving.fmt_s(r["mean_normalized_latency_s"]) + (" (cut off)" if r["cut_off"] else "")
-            cells += [lat, f"{r['requests_per_s']:.1f}", f"{r['mean_batch']:.1f}"]
-        lines.append(cells)
-    cols = ["rate (req/s)"]
-    for p in s.policies:
-        cols += [f"{p}: normalized latency", f"{p}: finished/s", f"{p}: mean batch"]
-    table += "\n\n## Every rate\n\n" + common.markdown_table(cols, lines)
+    table += "\n\n## Every rate\n\n" + load_sweep.rate_table(rows, [""], s.policies)
     g = s.engine
     notes = (
         f"Trace: {s.trace}-like requests (`paxkv/workloads.py`), prompts clipped to {s.max_prompt_len} and "

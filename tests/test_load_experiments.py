@@ -164,3 +164,31 @@ def test_sweep_log_names_points_and_writes_each_one():
     assert log.done(16, "swap") and not log.done(16, "recompute") and log.num_resumed == 1
     log.add({"block_size": 16, "mode": "recompute"})
     assert log.done(16, "recompute") and written == [2] and "measured_at" in log.rows[-1]
+
+
+def test_rate_sweep_runs_only_the_points_it_lacks():
+    from experiments import load_sweep
+
+    trace = lambda rate: [workloads.Request(4, 2, 0.0)]  # noqa: E731
+    load = load_sweep.Load(rates=(1.0, 2.0), trace=trace, work=lambda t, v, seed: [])
+    done = [{"group": "g", "policy": p, "rate": r} for p in ("continuous", "static") for r in (1.0, 2.0)]
+    log = serving.SweepLog(load_sweep.point_key, done)
+
+    def no_engine(policy):
+        raise AssertionError(f"built an engine for {policy}, though every point was done")
+
+    warm = load_sweep.sweep(name="t", loads={"g": load}, policies=("continuous", "static"), make_llm=no_engine,
+                            drain_s=1.0, seed=0, budget=serving.Budget(None), log=log, progress=False)
+    assert warm == {} and log.rows == done
+    # A missing point needs its policy's engine.
+    log = serving.SweepLog(load_sweep.point_key, done[:-1])
+    with pytest.raises(AssertionError, match="static"):
+        load_sweep.sweep(name="t", loads={"g": load}, policies=("continuous", "static"), make_llm=no_engine,
+                         drain_s=1.0, seed=0, budget=serving.Budget(None), log=log, progress=False)
+
+
+def test_sustained_rate_interpolates_and_brackets():
+    from experiments.load_sweep import sustained_rate
+    assert sustained_rate([1, 2, 4], [1.0, 2.0, 6.0], 4.0) == (3.0, "crossing")
+    assert sustained_rate([1, 2], [1.0, 2.0], 5.0) == (2, ">=")
+    assert sustained_rate([1, 2], [9.0, 12.0], 5.0) == (1, "<")
