@@ -36,13 +36,18 @@ def num_requests(rate: float, window_s: float, min_requests: int) -> int:
     return max(min_requests, int(round(rate * window_s)))
 
 
-def sustained_rate(rates: list[float], latency: list[float], threshold: float) -> tuple[float, str]:
+def sustained_rate(rates: list[float], latency: list[float], threshold: float,
+                   cut_off: list[bool] | None = None) -> tuple[float, str]:
     """The rate where latency first crosses `threshold` (linear between measured rates).
 
     Returns (rate, how): how is "crossing", ">=" (never crossed: at least the highest rate)
-    or "<" (crossed already at the lowest rate: below it).
+    or "<" (crossed already at the lowest rate: below it). With `cut_off`, a run that did not
+    finish its requests before the cut-off fails at its rate whatever its latency (which is
+    only a lower bound): the sustained rate is then the rate below it, how "cut".
     """
     for i, (r, y) in enumerate(zip(rates, latency)):
+        if cut_off is not None and cut_off[i] and y <= threshold:
+            return (r, "<") if i == 0 else (rates[i - 1], "cut")
         if y > threshold:
             if i == 0:
                 return r, "<"
@@ -51,15 +56,24 @@ def sustained_rate(rates: list[float], latency: list[float], threshold: float) -
     return (rates[-1] if rates else math.nan), ">="
 
 
-# How sure a ratio of two sustained rates is, from how each was found.
+# How sure a ratio of two sustained rates is, from how each was found ("cut" counts as a
+# crossing: the rate is bracketed by two measured rates either way).
 _RATIO_HOW = {("crossing", "crossing"): "=", (">=", "crossing"): ">=", ("crossing", "<"): ">", (">=", "<"): ">"}
+
+
+def _ratio_how(a: str, b: str) -> str:
+    return _RATIO_HOW.get((a.replace("cut", "crossing"), b.replace("cut", "crossing")), "~")
 RATIO_WORDS = {"=": "", ">=": "at least ", ">": "more than ", "~": "about "}
 
 
 def analyse(rows: Sequence[dict[str, Any]], policies: Sequence[str], factors: Sequence[float],
-            base: str = "continuous", reference: str = "static") -> dict[str, Any]:
+            base: str = "continuous", reference: str = "static", cut_off_fails: bool = True) -> dict[str, Any]:
     """Sustained rates of every policy at every threshold, peak throughput, and the ratios
-    `base` / `reference` (e.g. continuous over static), for the rows of one group."""
+    `base` / `reference` (e.g. continuous over static), for the rows of one group.
+
+    `cut_off_fails`: a run cut off before it finished does not sustain its rate, whatever its
+    (lower-bound) latency; without it only the latency threshold counts.
+    """
     by = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"]) for p in policies}
     first = by.get(base) or next((rs for rs in by.values() if rs), [])
     unloaded = first[0]["mean_normalized_latency_s"] if first else math.nan
@@ -73,12 +87,12 @@ def analyse(rows: Sequence[dict[str, Any]], policies: Sequence[str], factors: Se
             if not rs:
                 continue
             rate, how = sustained_rate([r["rate"] for r in rs], [r["mean_normalized_latency_s"] for r in rs],
-                                       factor * unloaded)
+                                       factor * unloaded, [r["cut_off"] for r in rs] if cut_off_fails else None)
             th["policies"][p] = {"sustained_rate": rate, "sustained_how": how}
         if {base, reference} <= th["policies"].keys():
             c, st = th["policies"][base], th["policies"][reference]
             th["ratio"] = c["sustained_rate"] / st["sustained_rate"] if st["sustained_rate"] else math.nan
-            th["ratio_how"] = _RATIO_HOW.get((c["sustained_how"], st["sustained_how"]), "~")
+            th["ratio_how"] = _ratio_how(c["sustained_how"], st["sustained_how"])
         out["thresholds"].append(th)
     if {base, reference} <= out["policies"].keys():
         c, st = out["policies"][base], out["policies"][reference]
@@ -99,7 +113,8 @@ def rate_text(x: float, how: str) -> str:
     """A sustained rate as text: "12.3/s", ">= 32/s (never crossed)", "< 1/s"."""
     if not math.isfinite(x):
         return "n/a"
-    return {"crossing": f"{x:.1f}/s", ">=": f">= {x:g}/s (never crossed)", "<": f"< {x:g}/s"}[how]
+    return {"crossing": f"{x:.1f}/s", ">=": f">= {x:g}/s (never crossed)", "<": f"< {x:g}/s",
+            "cut": f"{x:g}/s (the next rate was cut off)"}[how]
 
 
 def point_key(row: dict[str, Any]) -> tuple:

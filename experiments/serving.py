@@ -367,9 +367,15 @@ def write_serving_results(name: str, s: Any, *, title: str, results: dict[str, A
     if len(runs) > 1:
         notes += (f" The points were measured in {len(runs)} runs, each resuming the last (`--resume_from`); "
                   "every point's `run_started` in the json says which run measured it.")
+    hardware = engine_hardware(s.engine.model)
+    loads = [r["host_load_1m"] for r in results.get("runs", []) if "host_load_1m" in r]
+    if loads and hardware.split(" on ", 1)[-1].startswith("CPU"):
+        # Real-time figures on a shared CPU depend on what else ran: say how busy it was.
+        notes += (f" The machine's 1-minute load average as each point finished: {min(loads):.1f} to "
+                  f"{max(loads):.1f} on {os.cpu_count()} cores.")
     paths = common.write_results(
         result_name(name), f.out_dir, title=title,
-        command=common.command_line(), hardware=engine_hardware(s.engine.model),
+        command=common.command_line(), hardware=hardware,
         settings=dataclasses.asdict(s), results=results, table=table, notes=notes, figure=figure)
     if not quiet:
         print(table)
@@ -404,6 +410,8 @@ class SweepLog:
 
     def add(self, row: dict[str, Any]) -> None:
         row.setdefault("run_started", self.started)
+        if hasattr(os, "getloadavg"):
+            row.setdefault("host_load_1m", round(os.getloadavg()[0], 2))
         row.setdefault("measured_at", _utc_now())
         self.rows.append(row)
         self._done.add(self.key(row))

@@ -192,3 +192,11 @@ def test_sustained_rate_interpolates_and_brackets():
     assert sustained_rate([1, 2, 4], [1.0, 2.0, 6.0], 4.0) == (3.0, "crossing")
     assert sustained_rate([1, 2], [1.0, 2.0], 5.0) == (2, ">=")
     assert sustained_rate([1, 2], [9.0, 12.0], 5.0) == (1, "<")
+
+
+def test_a_cut_off_run_does_not_sustain_its_rate():
+    from experiments.load_sweep import sustained_rate
+    # Latency under the threshold, but the 4/s run was cut off: 2/s is what was sustained.
+    assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0, [False, False, True]) == (2, "cut")
+    assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0) == (4, ">=")
+    assert sustained_rate([1, 2], [1.0, 2.0], 4.0, [True, True]) == (1, "<")
