@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
     del argv
     s = serving.settings_from_flags(NAME)
     load_sweep.run(NAME, s, loads(s), s.policies, lambda p: serving.make_llm(s.engine, scheduler=p),
-                   point_fields=(), write=lambda *a, **k: write(s, *a, **k))
+                   point_fields=("loads.rates",), write=lambda *a, **k: write(s, *a, **k))
 
 
 if __name__ == "__main__":

@@ -425,8 +425,9 @@ def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
 
     The file must hold `name` (the stem, e.g. "preemption_gpu"), measured on `hardware`, with
     the same settings except the time budget and `point_fields` (the fields that list or
-    order the points, such as `block_sizes`): anything else would mix points of different
-    experiments, so it raises ValueError naming what differs. A missing file: no points.
+    order the points, such as `block_sizes`; "loads.rates" names the `rates` of every entry
+    of a field `loads`): anything else would mix points of different experiments, so it
+    raises ValueError naming what differs. A missing file: no points.
     """
     if not path:
         return []
@@ -440,8 +441,8 @@ def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
     if payload.get("hardware") != hardware:
         raise ValueError(f"resume_from: {path} was measured on {payload.get('hardware')!r}, "
                          f"this run is on {hardware!r}")
-    want = json.loads(json.dumps(common.jsonable(dataclasses.asdict(settings))))
-    got = payload.get("settings", {})
+    want = _without(json.loads(json.dumps(common.jsonable(dataclasses.asdict(settings)))), point_fields)
+    got = _without(payload.get("settings", {}), point_fields)
     ignored = {"time_budget_s", *point_fields}
     differ = sorted(k for k in set(want) | set(got) if k not in ignored and want.get(k) != got.get(k))
     if differ:
@@ -459,6 +460,21 @@ def run_resumable(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], poi
     log = sweep_log(name, s, key, point_fields, write=lambda rows: write(s, rows, [], final=False))
     rows, skipped = sweep(s, log)[:2]
     write(s, rows, skipped)
+
+
+def _without(settings: dict[str, Any], point_fields: Sequence[str]) -> dict[str, Any]:
+    """`settings` without the sub-fields named "field.sub" (in a dict or in each dict of a list)."""
+    out = dict(settings)
+    for pf in point_fields:
+        field, _, sub = pf.partition(".")
+        if not sub or field not in out:
+            continue
+        value = out[field]
+        if isinstance(value, dict):
+            out[field] = {k: v for k, v in value.items() if k != sub}
+        elif isinstance(value, list):
+            out[field] = [{k: v for k, v in x.items() if k != sub} if isinstance(x, dict) else x for x in value]
+    return out
 
 
 def sweep_log(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],

@@ -200,3 +200,18 @@ def test_a_cut_off_run_does_not_sustain_its_rate():
     assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0, [False, False, True]) == (2, "cut")
     assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0) == (4, ">=")
     assert sustained_rate([1, 2], [1.0, 2.0], 4.0, [True, True]) == (1, "<")
+
+
+def test_previous_rows_ignores_the_rates_inside_each_load(tmp_path):
+    s = configs.get("batched_requests", "tiny")
+    path = tmp_path / "prev.json"
+    path.write_text(json.dumps({"name": "batched_requests", "hardware": "hw",
+                                "settings": json.loads(json.dumps(dataclasses.asdict(s))),
+                                "results": {"runs": []}}))
+    more = dataclasses.replace(s, loads=tuple(dataclasses.replace(ld, rates=ld.rates + (64.0,)) for ld in s.loads))
+    assert serving.previous_rows(str(path), name="batched_requests", settings=more, hardware="hw",
+                                 point_fields=("loads.rates",)) == []
+    clipped = dataclasses.replace(s, loads=tuple(dataclasses.replace(ld, max_output_len=1) for ld in s.loads))
+    with pytest.raises(ValueError, match="loads"):
+        serving.previous_rows(str(path), name="batched_requests", settings=clipped, hardware="hw",
+                              point_fields=("loads.rates",))
