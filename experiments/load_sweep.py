@@ -43,10 +43,11 @@ def sustained_rate(rates: list[float], latency: list[float], threshold: float,
     Returns (rate, how): how is "crossing", ">=" (never crossed: at least the highest rate)
     or "<" (crossed already at the lowest rate: below it). With `cut_off`, a run that did not
     finish its requests before the cut-off fails at its rate whatever its latency (which is
-    only a lower bound): the sustained rate is then the rate below it, how "cut".
+    only a lower bound, so no crossing is interpolated to it): the sustained rate is then the
+    measured rate below it, how "cut".
     """
     for i, (r, y) in enumerate(zip(rates, latency)):
-        if cut_off is not None and cut_off[i] and y <= threshold:
+        if cut_off is not None and cut_off[i]:
             return (r, "<") if i == 0 else (rates[i - 1], "cut")
         if y > threshold:
             if i == 0:

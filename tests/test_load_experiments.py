@@ -200,6 +200,8 @@ def test_a_cut_off_run_does_not_sustain_its_rate():
     assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0, [False, False, True]) == (2, "cut")
     assert sustained_rate([1, 2, 4], [1.0, 2.0, 3.0], 4.0) == (4, ">=")
     assert sustained_rate([1, 2], [1.0, 2.0], 4.0, [True, True]) == (1, "<")
+    # Cut off above the threshold too: no crossing is interpolated towards a lower bound.
+    assert sustained_rate([1, 2, 4], [1.0, 2.0, 9.0], 4.0, [False, False, True]) == (2, "cut")
 
 
 def test_previous_rows_ignores_the_rates_inside_each_load(tmp_path):
