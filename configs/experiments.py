@@ -122,6 +122,109 @@ class ThroughputVsRateSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class TraceLoad:
+    """One trace of the batched-requests experiment: its clipping and the rates it runs at."""
+
+    trace: str
+    max_prompt_len: int
+    max_output_len: int
+    rates: tuple[float, ...]
+    bar_rate: float                      # the rate whose mean batch is drawn as bars (paper Fig. 13)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedRequestsSettings:
+    """Single-sequence serving of a ShareGPT-like and an Alpaca-like trace: latency against
+    rate and the number of requests batched together, continuous against static (paper
+    Figs. 12-13: it batches at 2 requests/s of ShareGPT and 30/s of Alpaca for OPT-13B)."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    # On a CPU requests are clipped short (ShareGPT-like 128 / 64, Alpaca-like 64 / 64) so that
+    # a busy two-core machine serves one in a second or two; the GPU setting keeps 256 / 256
+    # and 64 / 192.
+    loads: tuple[TraceLoad, ...] = (
+        TraceLoad("sharegpt", 128, 64, (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0), 2.0),
+        TraceLoad("alpaca", 64, 64, (1.0, 2.0, 4.0, 8.0, 16.0), 8.0))
+    window_s: float = 4.0                # arrivals span this long at every rate ...
+    min_requests: int = 3                # ... or long enough for this many requests
+    drain_s: float = 6.0                 # cut a run off this long after its last arrival
+    warmup_requests: int = 16
+    policies: tuple[str, ...] = ("continuous", "static")
+    latency_threshold_factors: tuple[float, ...] = (5.0, 10.0)
+    seed: int = 0
+    time_budget_s: float | None = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingVsRateSettings:
+    """Parallel sampling (n samples) and beam search (width W) under Poisson load, continuous
+    against static (paper Fig. 14, Alpaca)."""
+
+    # max_model_len 256 (the clipped trace fits it): the static policy reserves 256 per sequence.
+    engine: EngineGeometry = dataclasses.replace(CPU_ENGINE, max_model_len=256)
+    trace: str = "alpaca"
+    max_prompt_len: int = 64
+    max_output_len: int = 48             # the GPU setting: 192
+    parallel_n: tuple[int, ...] = (2, 4, 6)
+    beam_widths: tuple[int, ...] = (2, 4, 6)
+    temperature: float = 0.8             # parallel samples: random sampling, per-request seeds
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    window_s: float = 3.0
+    min_requests: int = 3
+    drain_s: float = 5.0
+    warmup_requests: int = 8
+    policies: tuple[str, ...] = ("continuous", "static")
+    latency_threshold_factors: tuple[float, ...] = (5.0, 10.0)
+    seed: int = 0
+    time_budget_s: float | None = 900.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixSettings:
+    """A translation workload whose prompts all start with the same few-shot prefix (paper
+    Fig. 16: 1 example, 80 tokens; 5 examples, 341 tokens), with prefix caching on and off."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    prefixes: tuple[tuple[str, int], ...] = (("1-shot", 80), ("5-shot", 341))
+    max_sentence_len: int = 64           # the request's own part, after the prefix
+    max_output_len: int = 24             # the GPU setting: 64
+    rates: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0)
+    window_s: float = 3.0
+    min_requests: int = 4
+    drain_s: float = 5.0
+    warmup_requests: int = 16
+    # "prefix caching": continuous batching, the prefix's blocks computed once and shared;
+    # "no prefix caching": the same engine computing and holding it for every request;
+    # "static": the request-level baseline (no caching).
+    policies: tuple[str, ...] = ("prefix caching", "no prefix caching", "static")
+    latency_threshold_factors: tuple[float, ...] = (5.0, 10.0)
+    seed: int = 0
+    time_budget_s: float | None = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatbotSettings:
+    """A chatbot: the conversation so far is the prompt, cut to its last tokens (paper
+    Fig. 17: long prompts, short answers), continuous against static."""
+
+    engine: EngineGeometry = CPU_ENGINE
+    # History kept: half the model length, as the paper keeps the last 1,024 tokens for a
+    # 2,048-token model. Answers are clipped shorter on a CPU (24) than on the GPU (128).
+    max_prompt_len: int = 256
+    max_output_len: int = 24
+    mean_prior_turns: float = 2.0
+    rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    window_s: float = 4.0
+    min_requests: int = 3
+    drain_s: float = 6.0
+    warmup_requests: int = 12
+    policies: tuple[str, ...] = ("continuous", "static")
+    latency_threshold_factors: tuple[float, ...] = (5.0, 10.0)
+    seed: int = 0
+    time_budget_s: float | None = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockSizeSettings:
     """Throughput and latency against block size at a fixed pool capacity (paper Fig. 18b)."""
 
@@ -213,6 +316,46 @@ SETTINGS: dict[str, dict[str, object]] = {
         "tiny": ThroughputVsRateSettings(engine=TINY_ENGINE, max_prompt_len=16, max_output_len=16,
                                          rates=(8.0, 32.0), window_s=0.25, min_requests=4, drain_s=1.0,
                                          warmup_requests=8, time_budget_s=None),
+    },
+    # The latency-against-load figures beyond Fig. 12 (experiments/load_sweep.py). Their GPU
+    # settings each fit one 10-minute call or resume across calls (--resume_from).
+    "batched_requests": {
+        "cpu": BatchedRequestsSettings(),
+        "gpu": BatchedRequestsSettings(
+            engine=GPU_ENGINE, loads=(TraceLoad("sharegpt", 256, 256, (0.5, 1.0, 2.0, 4.0, 8.0), 2.0),
+                                      TraceLoad("alpaca", 64, 192, (2.0, 8.0, 16.0, 32.0, 64.0), 32.0)),
+            window_s=2.0, min_requests=4, drain_s=3.0, time_budget_s=420.0),
+        "tiny": BatchedRequestsSettings(
+            engine=TINY_ENGINE,
+            loads=(TraceLoad("sharegpt", 24, 12, (4.0,), 4.0), TraceLoad("alpaca", 16, 12, (8.0,), 8.0)),
+            window_s=0.25, min_requests=3, drain_s=1.0, warmup_requests=4, time_budget_s=None),
+    },
+    "sampling_vs_rate": {
+        "cpu": SamplingVsRateSettings(),
+        "gpu": SamplingVsRateSettings(engine=dataclasses.replace(GPU_ENGINE, max_model_len=256), max_output_len=192,
+                                      rates=(1.0, 2.0, 4.0, 8.0, 16.0), window_s=2.0, min_requests=4, drain_s=3.0,
+                                      time_budget_s=420.0),
+        "tiny": SamplingVsRateSettings(engine=dataclasses.replace(TINY_ENGINE, pool_tokens=512, max_num_seqs=8),
+                                       max_prompt_len=16, max_output_len=10, parallel_n=(2,), beam_widths=(2,),
+                                       rates=(8.0,), window_s=0.25, min_requests=3, drain_s=1.0,
+                                       warmup_requests=2, time_budget_s=None),
+    },
+    "shared_prefix": {
+        "cpu": SharedPrefixSettings(),
+        "gpu": SharedPrefixSettings(engine=GPU_ENGINE, max_output_len=64, rates=(4.0, 8.0, 16.0, 32.0, 64.0),
+                                    window_s=2.0, min_requests=6, drain_s=2.0, time_budget_s=420.0),
+        "tiny": SharedPrefixSettings(engine=dataclasses.replace(TINY_ENGINE, pool_tokens=256,
+                                                                max_num_batched_tokens=128),
+                                     prefixes=(("1-shot", 40),), max_sentence_len=12, max_output_len=8,
+                                     rates=(8.0,), window_s=0.25, min_requests=4, drain_s=1.0,
+                                     warmup_requests=4, time_budget_s=None),
+    },
+    "chatbot": {
+        "cpu": ChatbotSettings(),
+        "gpu": ChatbotSettings(engine=GPU_ENGINE, max_output_len=128, rates=(0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0),
+                               window_s=2.0, min_requests=4, drain_s=3.0, time_budget_s=420.0),
+        "tiny": ChatbotSettings(engine=TINY_ENGINE, max_prompt_len=64, max_output_len=8, rates=(4.0,), window_s=0.25,
+                                min_requests=3, drain_s=1.0, warmup_requests=3, time_budget_s=None),
     },
     "block_size_ablation": {
         "cpu": BlockSizeSettings(),

@@ -32,21 +32,31 @@ NAME = "block_size_ablation"
 NEAR_BEST = 0.95
 
 
-def sweep(s: configs.BlockSizeSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+def point_key(row: dict[str, Any]) -> tuple:
+    return row["trace"], row["block_size"]
+
+
+def sweep(s: configs.BlockSizeSettings, log: serving.SweepLog | None = None,
+          progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every (trace, block size) point not in `log` yet, block sizes in priority order while
+    the budget lasts; returns all of `log`'s points and the skipped block sizes."""
+    log = log or serving.SweepLog(point_key)
     budget = serving.Budget(s.time_budget_s)
     traces = {t: serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len, s.max_output_len)
               for t, n in s.traces}
-    rows: list[dict[str, Any]] = []
-    for bs in budget.points(tqdm(s.block_sizes, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
+    todo = [bs for bs in s.block_sizes if not all(log.done(t, bs) for t, _ in s.traces)]
+    for bs in budget.points(tqdm(todo, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         llm = serving.make_llm(s.engine, block_size=bs)
         vocab = llm.config.model.vocab_size
         for trace, _ in s.traces:
+            if log.done(trace, bs):
+                continue
             make = lambda seed, t=trace: serving.trace_work(traces[t], vocab, seed)  # noqa: E731
             st = serving.run_offline_twice(llm, make, s.seed)
-            rows.append({"trace": trace, "block_size": bs, "num_blocks": s.engine.pool_tokens // bs, **st.summary()})
+            log.add({"trace": trace, "block_size": bs, "num_blocks": s.engine.pool_tokens // bs, **st.summary()})
         del llm
         gc.collect()
-    return rows, budget.skipped
+    return log.rows, budget.skipped
 
 
 def best_sizes(rows: list[dict[str, Any]], trace: str) -> tuple[int, list[int]]:
@@ -122,23 +132,27 @@ def _tables(rows: list[dict[str, Any]], s: configs.BlockSizeSettings, skipped: l
     return table, notes
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    s = serving.settings_from_flags(NAME)
-    if FLAGS.block_sizes:
-        s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
-    rows, skipped = sweep(s)
+def write(s: configs.BlockSizeSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
     traces = {t: workloads.summarize(serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len,
                                                         s.max_output_len)) for t, n in s.traces}
     serving.write_serving_results(
         NAME, s,
         title="Block size: throughput and latency at a fixed KV pool (paper Fig. 18b)",
-        results={"runs": rows, "skipped": skipped, "traces": traces,
+        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
+                 "traces": traces,
                  "best": {t: dict(zip(("highest", "near_best"), best_sizes(rows, t)))
                           for t, _ in s.traces if any(r["trace"] == t for r in rows)},
                  "paper": {"block_size_best": common.PAPER["block_size_best"]}},
-        table=table, notes=notes, figure=_fig(rows, s))
+        table=table, notes=notes, figure=_fig(rows, s), quiet=not final)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = serving.settings_from_flags(NAME)
+    if FLAGS.block_sizes:
+        s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
+    serving.run_resumable(NAME, s, point_key, ("block_sizes",), sweep, write)
 
 
 if __name__ == "__main__":

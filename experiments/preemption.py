@@ -52,15 +52,24 @@ def run_mode(s: configs.PreemptionSettings, bs: int, mode: str, trace: list[work
     return row
 
 
-def sweep(s: configs.PreemptionSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+def point_key(row: dict[str, Any]) -> tuple:
+    return row["block_size"], row["mode"]
+
+
+def sweep(s: configs.PreemptionSettings, log: serving.SweepLog | None = None,
+          progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every (block size, mode) point not in `log` yet, block sizes in priority order while
+    the budget lasts; returns all of `log`'s points and the skipped block sizes."""
+    log = log or serving.SweepLog(point_key)
     budget = serving.Budget(s.time_budget_s)
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
-    rows: list[dict[str, Any]] = []
-    for bs in budget.points(tqdm(s.block_sizes, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
+    todo = [bs for bs in s.block_sizes if not all(log.done(bs, m) for m in s.modes)]
+    for bs in budget.points(tqdm(todo, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         for mode in s.modes:
-            rows.append(run_mode(s, bs, mode, trace))
-    return rows, budget.skipped
+            if not log.done(bs, mode):
+                log.add(run_mode(s, bs, mode, trace))
+    return log.rows, budget.skipped
 
 
 def pairs(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
@@ -139,22 +148,26 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
     return table, notes
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    s = serving.settings_from_flags(NAME)
-    if FLAGS.block_sizes:
-        s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
-    rows, skipped = sweep(s)
+def write(s: configs.PreemptionSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
     serving.write_serving_results(
         NAME, s,
         title="Preemption: recomputation against swapping (paper Fig. 19)",
-        results={"runs": rows, "skipped": skipped, "trace": workloads.summarize(trace),
+        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
+                 "trace": workloads.summarize(trace),
                  "recompute_over_swap": {bs: rc["wall_s"] / sw["wall_s"] for bs, rc, sw in pairs(rows)},
                  "paper": {"recompute_max_overhead_vs_swap": common.PAPER["recompute_max_overhead_vs_swap"]}},
-        table=table, notes=notes, figure=_fig(rows, s))
+        table=table, notes=notes, figure=_fig(rows, s), quiet=not final)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = serving.settings_from_flags(NAME)
+    if FLAGS.block_sizes:
+        s = dataclasses.replace(s, block_sizes=tuple(int(b) for b in FLAGS.block_sizes))
+    serving.run_resumable(NAME, s, point_key, ("block_sizes",), sweep, write)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ lengths, sees the same shapes and compiles nothing (the count is recorded to che
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import inspect
+import json
 import math
 import os
 import time
@@ -350,18 +352,137 @@ def settings_from_flags(name: str) -> Any:
     return s
 
 
+def result_name(name: str) -> str:
+    """The files' stem: `<name>` for the CPU and tiny settings, `<name>_gpu` for the GPU one,
+    so that CPU and GPU results live side by side."""
+    return name + ("_gpu" if flags.FLAGS.setting == "gpu" else "")
+
+
 def write_serving_results(name: str, s: Any, *, title: str, results: dict[str, Any], table: str,
-                          notes: str, figure: Any) -> None:
+                          notes: str, figure: Any, quiet: bool = False) -> None:
     """Writes a serving experiment's files under `--out_dir` with the command, hardware and
-    settings, then prints the table. The GPU setting writes `<name>_gpu.*`, so that CPU and
-    GPU results live side by side."""
+    settings, then prints the table (`quiet`: only the paths, for a sweep's interim writes)."""
     f = flags.FLAGS
+    runs = {r.get("run_started", "before resuming was recorded") for r in results.get("runs", [])}
+    if len(runs) > 1:
+        notes += (f" The points were measured in {len(runs)} runs, each resuming the last (`--resume_from`); "
+                  "every point's `run_started` in the json says which run measured it.")
+    hardware = engine_hardware(s.engine.model)
+    loads = [r["host_load_1m"] for r in results.get("runs", []) if "host_load_1m" in r]
+    if loads and hardware.split(" on ", 1)[-1].startswith("CPU"):
+        # Real-time figures on a shared CPU depend on what else ran: say how busy it was.
+        notes += (f" The machine's 1-minute load average as each point finished: {min(loads):.1f} to "
+                  f"{max(loads):.1f} on {os.cpu_count()} cores.")
     paths = common.write_results(
-        name + ("_gpu" if f.setting == "gpu" else ""), f.out_dir, title=title,
-        command=common.command_line(), hardware=engine_hardware(s.engine.model),
+        result_name(name), f.out_dir, title=title,
+        command=common.command_line(), hardware=hardware,
         settings=dataclasses.asdict(s), results=results, table=table, notes=notes, figure=figure)
-    print(table)
+    if not quiet:
+        print(table)
     print("wrote", ", ".join(paths.values()))
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class SweepLog:
+    """A sweep's finished points: those a previous run left in its json, then each new one.
+
+    GPU sweeps outlast one device session, so they run in parts: every new point is written
+    out as soon as it finishes (`write(rows)` rewrites the experiment's files), so a run
+    stopped by its time budget, or killed, keeps every point it finished; a later run with
+    `--resume_from` that json keeps those points and runs only the others. `key(row)` names a
+    point (e.g. `(row["block_size"], row["mode"])`).
+    """
+
+    def __init__(self, key: Callable[[dict[str, Any]], tuple], rows: Sequence[dict[str, Any]] = (),
+                 write: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+        self.key = key
+        self.rows = list(rows)
+        self.write = write
+        self.num_resumed = len(self.rows)
+        self._done = {key(r) for r in self.rows}
+        self.started = _utc_now()
+
+    def done(self, *key: Any) -> bool:
+        return tuple(key) in self._done
+
+    def add(self, row: dict[str, Any]) -> None:
+        row.setdefault("run_started", self.started)
+        if hasattr(os, "getloadavg"):
+            row.setdefault("host_load_1m", round(os.getloadavg()[0], 2))
+        row.setdefault("measured_at", _utc_now())
+        self.rows.append(row)
+        self._done.add(self.key(row))
+        if self.write is not None:
+            self.write(self.rows)
+
+
+def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
+                  point_fields: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The finished points ("runs") of a previous run's json, checked to be the same experiment.
+
+    The file must hold `name` (the stem, e.g. "preemption_gpu"), measured on `hardware`, with
+    the same settings except the time budget and `point_fields` (the fields that list or
+    order the points, such as `block_sizes`; "loads.rates" names the `rates` of every entry
+    of a field `loads`): anything else would mix points of different experiments, so it
+    raises ValueError naming what differs. A missing file: no points.
+    """
+    if not path:
+        return []
+    if not os.path.exists(path):
+        print(f"resume_from: {path} does not exist; starting from no points")
+        return []
+    with open(path) as f:
+        payload = json.load(f)
+    if payload.get("name") != name:
+        raise ValueError(f"resume_from: {path} holds {payload.get('name')!r}, not {name!r}")
+    if payload.get("hardware") != hardware:
+        raise ValueError(f"resume_from: {path} was measured on {payload.get('hardware')!r}, "
+                         f"this run is on {hardware!r}")
+    want = _without(json.loads(json.dumps(common.jsonable(dataclasses.asdict(settings)))), point_fields)
+    got = _without(payload.get("settings", {}), point_fields)
+    ignored = {"time_budget_s", *point_fields}
+    differ = sorted(k for k in set(want) | set(got) if k not in ignored and want.get(k) != got.get(k))
+    if differ:
+        raise ValueError(f"resume_from: {path} has other settings: {', '.join(differ)} differ "
+                         f"(theirs: {', '.join(f'{k}={got.get(k)!r}' for k in differ)})")
+    rows = payload.get("results", {}).get("runs", [])
+    print(f"resume_from: {len(rows)} finished points from {path}")
+    return rows
+
+
+def run_resumable(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],
+                  sweep: Callable[..., tuple], write: Callable[..., None]) -> None:
+    """An experiment's main: `sweep(s, log)` from the points of `--resume_from`, writing the
+    files after every point (`write(s, rows, [], final=False)`) and at the end."""
+    log = sweep_log(name, s, key, point_fields, write=lambda rows: write(s, rows, [], final=False))
+    rows, skipped = sweep(s, log)[:2]
+    write(s, rows, skipped)
+
+
+def _without(settings: dict[str, Any], point_fields: Sequence[str]) -> dict[str, Any]:
+    """`settings` without the sub-fields named "field.sub" (in a dict or in each dict of a list)."""
+    out = dict(settings)
+    for pf in point_fields:
+        field, _, sub = pf.partition(".")
+        if not sub or field not in out:
+            continue
+        value = out[field]
+        if isinstance(value, dict):
+            out[field] = {k: v for k, v in value.items() if k != sub}
+        elif isinstance(value, list):
+            out[field] = [{k: v for k, v in x.items() if k != sub} if isinstance(x, dict) else x for x in value]
+    return out
+
+
+def sweep_log(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],
+              write: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepLog:
+    """A SweepLog holding the points of `--resume_from` (when given), for experiment `name`."""
+    rows = previous_rows(flags.FLAGS.resume_from, name=result_name(name), settings=s,
+                         hardware=engine_hardware(s.engine.model), point_fields=point_fields)
+    return SweepLog(key, rows, write)
 
 
 # A wall-clock deadline (seconds since the epoch) for a batch of experiments: each sweep's

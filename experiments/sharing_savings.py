@@ -65,18 +65,26 @@ def work_maker(kind: str, width: int, shared: bool, trace: list[workloads.Reques
     return make
 
 
-def sweep(s: configs.SharingSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+def point_key(row: dict[str, Any]) -> tuple:
+    return row["kind"], row["width"]
+
+
+def sweep(s: configs.SharingSettings, log: serving.SweepLog | None = None,
+          progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every (kind, width) point not in `log` yet, in priority order while the budget lasts;
+    returns all of `log`'s points and the skipped ones."""
+    log = log or serving.SweepLog(point_key)
     budget = serving.Budget(s.time_budget_s)
-    if not budget.allows(0.0, "everything (no time left)"):
-        return [], budget.skipped
+    configs_ = [("parallel", n) for n in s.parallel_n] + [("beam", w) for w in s.beam_widths]
+    # Interleave so a short budget still covers both kinds: n=a, beam a, n=b, beam b, ...
+    order = sorted(configs_, key=lambda c: (sorted({w for _, w in configs_}).index(c[1]), c[0] != "parallel"))
+    order = [c for c in order if not log.done(*c)]
+    if not order or not budget.allows(0.0, "everything (no time left)"):
+        return log.rows, budget.skipped
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
     llm = serving.make_llm(s.engine)
     vocab = llm.config.model.vocab_size
-    configs_ = [("parallel", n) for n in s.parallel_n] + [("beam", w) for w in s.beam_widths]
-    # Interleave so a short budget still covers both kinds: n=a, beam a, n=b, beam b, ...
-    order = sorted(configs_, key=lambda c: (sorted({w for _, w in configs_}).index(c[1]), c[0] != "parallel"))
-    rows = []
     for kind, width in budget.points(tqdm(order, desc=NAME, disable=not progress), lambda c: f"{c[0]} {c[1]}"):
         row: dict[str, Any] = {"kind": kind, "width": width, "num_requests": len(trace)}
         for shared in (True, False):
@@ -90,9 +98,9 @@ def sweep(s: configs.SharingSettings, progress: bool = True) -> tuple[list[dict[
         row["saving"] = row["shared"]["sharing_saving"]
         row["throughput_gain"] = (row["shared_requests_per_s"] / row["unshared_requests_per_s"]
                                   if row["unshared_requests_per_s"] else float("nan"))
-        rows.append(row)
+        log.add(row)
         gc.collect()
-    return rows, budget.skipped
+    return log.rows, budget.skipped
 
 
 def _fig(rows: list[dict[str, Any]]):
@@ -166,19 +174,22 @@ def _tables(rows: list[dict[str, Any]], s: configs.SharingSettings, skipped: lis
     return table, notes
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    s = serving.settings_from_flags(NAME)
-    rows, skipped = sweep(s)
+def write(s: configs.SharingSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
     trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
                                s.max_output_len)
     serving.write_serving_results(
         NAME, s,
         title="Sharing KV blocks: parallel sampling and beam search (paper Fig. 15)",
-        results={"runs": rows, "skipped": skipped, "trace": workloads.summarize(trace),
-                 "paper": common.PAPER["sharing_savings"]},
-        table=table, notes=notes, figure=_fig(rows))
+        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
+                 "trace": workloads.summarize(trace), "paper": common.PAPER["sharing_savings"]},
+        table=table, notes=notes, figure=_fig(rows), quiet=not final)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = serving.settings_from_flags(NAME)
+    serving.run_resumable(NAME, s, point_key, ("parallel_n", "beam_widths"), sweep, write)
 
 
 if __name__ == "__main__":

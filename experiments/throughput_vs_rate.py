@@ -16,14 +16,13 @@ where its normalized latency crosses a threshold (a multiple of the unloaded lat
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from absl import app, flags
 from tqdm import tqdm
 
 from configs import experiments as configs
-from experiments import common, serving
+from experiments import common, load_sweep, serving
 from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
@@ -42,91 +41,31 @@ def rate_trace(s: configs.ThroughputVsRateSettings, rate: float) -> list[workloa
 
 
 def static_capacity(g: configs.EngineGeometry) -> int:
-    """Requests the static policy runs at once: each reserves max_model_len slots."""
-    return min(g.max_num_seqs, g.pool_tokens // g.max_model_len)
+    return load_sweep.static_capacity(g)
 
 
-def sustained_rate(rates: list[float], latency: list[float], threshold: float) -> tuple[float, str]:
-    """The rate where latency first crosses `threshold` (linear between measured rates).
-
-    Returns (rate, how): how is "crossing", ">=" (never crossed: at least the highest rate)
-    or "<" (crossed already at the lowest rate: below it).
-    """
-    for i, (r, y) in enumerate(zip(rates, latency)):
-        if y > threshold:
-            if i == 0:
-                return r, "<"
-            r0, y0 = rates[i - 1], latency[i - 1]
-            return r0 + (threshold - y0) * (r - r0) / (y - y0), "crossing"
-    return (rates[-1] if rates else math.nan), ">="
-
-
-def sweep(s: configs.ThroughputVsRateSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[str], dict]:
+def sweep(s: configs.ThroughputVsRateSettings, log: serving.SweepLog | None = None,
+          progress: bool = True) -> tuple[list[dict[str, Any]], list[str], dict]:
+    """Every (policy, rate) point not in `log` yet, rates rising, while the budget lasts."""
+    log = log or serving.SweepLog(load_sweep.point_key)
     budget = serving.Budget(s.time_budget_s)
     if not budget.allows(0.0, "everything (no time left)"):
-        return [], budget.skipped, {}
-    llms = {p: serving.make_llm(s.engine, scheduler=p) for p in s.policies}
-    vocab = llms[s.policies[0]].config.model.vocab_size
-    traces = {r: rate_trace(s, r) for r in s.rates}
-    # Warm-up: the busiest trace, queued at once, compiles the shapes the sweep will see
-    # (any shape first seen later is compiled with the clock paused).
-    warm = {}
-    busiest = traces[max(s.rates)]
-    g = s.engine
-    for p, llm in llms.items():
-        # A static batch lasts as long as its longest request: warm it up on two batches only.
-        n = s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * static_capacity(g))
-        st = serving.run(llm, serving.trace_work(busiest[:n], vocab, s.seed + 1))
-        warm[p] = {"compile_s": st.compile_s, "compiles": st.num_compiles}
-    rows = []
-    last_cost = 0.0
-    bar = tqdm(total=len(s.rates) * len(s.policies), desc=NAME, disable=not progress)
-    for rate in sorted(s.rates):
-        trace = traces[rate]
-        last_arrival = max(r.arrival_time for r in trace)
-        cutoff = last_arrival + s.drain_s
-        for p in s.policies:
-            label = f"{p} @ {rate:g}/s"
-            if not budget.allows(min(last_cost, cutoff), label):
-                bar.update(1)
-                continue
-            t0 = budget.elapsed()
-            work = serving.trace_work(trace, vocab, s.seed + int(rate * 1000))
-            st = serving.run(llms[p], work, realtime=True, cutoff_s=cutoff)
-            last_cost = budget.elapsed() - t0
-            row = {"policy": p, "rate": rate, "cutoff_s": cutoff, "cut_off": st.num_finished < st.num_requests,
-                   "offered_span_s": last_arrival, **st.summary()}
-            rows.append(row)
-            bar.update(1)
-    bar.close()
-    return rows, budget.skipped, warm
+        return log.rows, budget.skipped, {}
+    cap = static_capacity(s.engine)
+    # A static batch lasts as long as its longest request: warm it up on two batches only.
+    load = load_sweep.Load(rates=s.rates, trace=lambda rate: rate_trace(s, rate), work=serving.trace_work,
+                           warmup=lambda p: s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * cap))
+    warm = load_sweep.sweep(name=NAME, loads={"": load}, policies=s.policies,
+                            make_llm=lambda p: serving.make_llm(s.engine, scheduler=p), drain_s=s.drain_s,
+                            seed=s.seed, budget=budget, log=log, progress=progress)
+    return log.rows, budget.skipped, warm
 
 
 def analyse(rows: list[dict[str, Any]], s: configs.ThroughputVsRateSettings) -> dict[str, Any]:
     """Sustained rates at every latency threshold, peak throughput, and their ratios."""
-    by = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"]) for p in s.policies}
-    base = by.get("continuous") or next(iter(by.values()), [])
-    unloaded = base[0]["mean_normalized_latency_s"] if base else math.nan
-    out: dict[str, Any] = {"unloaded_normalized_latency_s": unloaded, "thresholds": [], "policies": {}}
-    for p, rs in by.items():
-        out["policies"][p] = {"peak_requests_per_s": max((r["requests_per_s"] for r in rs), default=0.0)}
-    for factor in s.latency_threshold_factors:
-        th: dict[str, Any] = {"factor": factor, "threshold_s": factor * unloaded, "policies": {}}
-        for p, rs in by.items():
-            rate, how = sustained_rate([r["rate"] for r in rs], [r["mean_normalized_latency_s"] for r in rs],
-                                       factor * unloaded)
-            th["policies"][p] = {"sustained_rate": rate, "sustained_how": how}
-        if {"continuous", "static"} <= th["policies"].keys():
-            c, st = th["policies"]["continuous"], th["policies"]["static"]
-            th["ratio"] = c["sustained_rate"] / st["sustained_rate"] if st["sustained_rate"] else math.nan
-            how = {("crossing", "crossing"): "=", (">=", "crossing"): ">=", ("crossing", "<"): ">", (">=", "<"): ">"}
-            th["ratio_how"] = how.get((c["sustained_how"], st["sustained_how"]), "~")
-        out["thresholds"].append(th)
-    if {"continuous", "static"} <= out["policies"].keys():
-        c, st = out["policies"]["continuous"], out["policies"]["static"]
-        out["peak_throughput_ratio"] = (c["peak_requests_per_s"] / st["peak_requests_per_s"]
-                                        if st["peak_requests_per_s"] else math.nan)
-    return out
+    # The latency threshold alone, as when its committed figures were made (results/README.md
+    # discusses the cut-off runs it lets through).
+    return load_sweep.analyse(rows, s.policies, s.latency_threshold_factors, cut_off_fails=False)
 
 
 def _fig(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVsRateSettings):
@@ -164,12 +103,6 @@ def _fig(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVs
     return fig
 
 
-def _rate(x: float, how: str) -> str:
-    if not math.isfinite(x):
-        return "n/a"
-    return {"crossing": f"{x:.1f}/s", ">=": f">= {x:g}/s (never crossed)", "<": f"< {x:g}/s"}[how]
-
-
 def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.ThroughputVsRateSettings,
             skipped: list[str], warm: dict) -> tuple[str, str]:
     paper_lo, paper_hi = common.PAPER["throughput_gain_vs_orca_ft"]
@@ -180,37 +113,18 @@ def _tables(rows: list[dict[str, Any]], an: dict[str, Any], s: configs.Throughpu
         cells = [LABELS[p]]
         for th in an["thresholds"]:
             a = th["policies"][p]
-            cells.append(_rate(a["sustained_rate"], a["sustained_how"]))
+            cells.append(load_sweep.rate_text(a["sustained_rate"], a["sustained_how"]))
         head.append(cells + [f"{an['policies'][p]['peak_requests_per_s']:.1f}/s"])
     if "peak_throughput_ratio" in an:
         cells = [f"ratio continuous / static (paper: {paper_lo:g}-{paper_hi:g}x)"]
         for th in an["thresholds"]:
-            ratio = th.get("ratio", math.nan)
-            rel = {"=": "", ">=": "at least ", ">": "more than ", "~": "about "}[th.get("ratio_how", "~")]
-            cells.append(f"{rel}{ratio:.1f}x" if math.isfinite(ratio) else "n/a")
+            cells.append(load_sweep.ratio_text(th))
         head.append(cells + [f"{an['peak_throughput_ratio']:.1f}x"])
     cols = ["policy"] + [f"sustained rate: latency < {th['factor']:g}x unloaded "
                          f"({th['threshold_s'] * 1e3:.1f} ms/token)" for th in an["thresholds"]]
     cols.append("peak finished requests/s")
     table = "## Against the paper (Fig. 12)\n\n" + common.markdown_table(cols, head)
-    by_rate = {}
-    for r in rows:
-        by_rate.setdefault(r["rate"], {})[r["policy"]] = r
-    lines = []
-    for rate in sorted(by_rate):
-        cells = [f"{rate:g}"]
-        for p in s.policies:
-            r = by_rate[rate].get(p)
-            if r is None:
-                cells += ["skipped", "", ""]
-                continue
-            lat = serving.fmt_s(r["mean_normalized_latency_s"]) + (" (cut off)" if r["cut_off"] else "")
-            cells += [lat, f"{r['requests_per_s']:.1f}", f"{r['mean_batch']:.1f}"]
-        lines.append(cells)
-    cols = ["rate (req/s)"]
-    for p in s.policies:
-        cols += [f"{p}: normalized latency", f"{p}: finished/s", f"{p}: mean batch"]
-    table += "\n\n## Every rate\n\n" + common.markdown_table(cols, lines)
+    table += "\n\n## Every rate\n\n" + load_sweep.rate_table(rows, [""], s.policies)
     g = s.engine
     notes = (
         f"Trace: {s.trace}-like requests (`paxkv/sim/workloads.py`), prompts clipped to {s.max_prompt_len} and "

@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- the trace -------------------------------------------------------------------------------
 def make_trace(num: int, rate: float, seed: int, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(arrival s, prompt ids, output tokens) per request: paxkv.workloads lengths, random ids."""
+    """(arrival s, prompt ids, output tokens) per request: paxkv.sim.workloads lengths, random ids."""
     import numpy as np
 
     from paxkv.sim import workloads

@@ -12,6 +12,13 @@
 #   scripts/run_all.sh --all        both
 #   scripts/run_all.sh --out_dir=DIR    write somewhere else than results/
 #   scripts/run_all.sh --only=a,b   run only these experiments (file stems)
+#   scripts/run_all.sh --gpu --part=N   one resumable part of the full GPU set (N = 1..7, most
+#                                   valuable first; `--part=list` lists them): one experiment,
+#                                   resumed from results/<name>_gpu.json when that exists, within
+#                                   $PAXKV_PART_BUDGET_S seconds (default 450) of starting points,
+#                                   so one part fits a 10-minute slot. Run a part again until it
+#                                   reports "complete"; commit its files to results/ between runs.
+#   scripts/run_all.sh --gpu --resume   every GPU sweep resumes from results/<name>_gpu.json
 #
 # With --gpu, when the environment variable OUT names a directory, every GPU result is also
 # packed into one archive, $OUT/paxkv_gpu_results.tar (rebuilt after each experiment, so a
@@ -24,16 +31,36 @@ CPU=1
 GPU=0
 OUT_DIR=results
 ONLY=""
+PART=""
+RESUME=0
+# The parts of the full GPU set, most valuable first: the four figures that have no GPU result
+# yet, then the sweeps whose first GPU run stopped after its first points.
+GPU_PARTS=(sampling_vs_rate shared_prefix chatbot batched_requests block_size_ablation preemption sharing_savings)
 for arg in "$@"; do
   case "$arg" in
     --gpu) CPU=0; GPU=1 ;;
     --all) CPU=1; GPU=1 ;;
     --out_dir=*) OUT_DIR="${arg#--out_dir=}" ;;
     --only=*) ONLY=",${arg#--only=}," ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $arg (expected --gpu, --all, --out_dir=DIR, --only=a,b)" >&2; exit 2 ;;
+    --part=*) PART="${arg#--part=}" ;;
+    --resume) RESUME=1 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (expected --gpu, --all, --out_dir=DIR, --only=a,b, --part=N, --resume)" >&2; exit 2 ;;
   esac
 done
+
+if [[ "$PART" == list ]]; then
+  for i in "${!GPU_PARTS[@]}"; do echo "part $((i + 1)): ${GPU_PARTS[$i]}"; done
+  exit 0
+fi
+if [[ -n "$PART" ]]; then
+  if [[ "$GPU" != 1 || "$CPU" == 1 ]]; then echo "--part needs --gpu" >&2; exit 2; fi
+  if ! [[ "$PART" =~ ^[0-9]+$ ]] || ((PART < 1 || PART > ${#GPU_PARTS[@]})); then
+    echo "--part must be 1..${#GPU_PARTS[@]} (see --part=list), got $PART" >&2; exit 2
+  fi
+  ONLY=",${GPU_PARTS[$((PART - 1))]},"
+  RESUME=1
+fi
 
 export PYTHONPATH=.
 mkdir -p "$OUT_DIR"
@@ -56,15 +83,32 @@ pack() {
   if ((${#files[@]})); then tar -cf "$PACK.tmp" -C "$OUT_DIR" "${files[@]}" && mv "$PACK.tmp" "$PACK"; fi
 }
 
+# Whether a sweep's json holds every point, or which points a later run (resumed) must add.
+report() {
+  [[ -e "$1" ]] || return 0
+  python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+if "complete" not in r: sys.exit(0)
+left = ", ".join(r.get("skipped") or []) or "none"
+print(f"== {sys.argv[1]}: " + ("complete" if r["complete"] else f"incomplete, run it again to resume (left: {left})"),
+      file=sys.stderr)' "$1"
+}
+
 FAILED=()
 run() {
   local script="$1"; shift
   local stem; stem="$(basename "$script" .py)"
   if [[ -n "$ONLY" && "$ONLY" != *",$stem,"* ]]; then return 0; fi
+  if [[ "$RESUME" == 1 && " $* " == *" --setting=gpu "* && " ${GPU_PARTS[*]} " == *" $stem "* ]]; then
+    # Resume from the committed partial result; a part has its own budget for starting points.
+    set -- "$@" --resume_from="results/${stem}_gpu.json"
+    if [[ -n "$PART" ]]; then set -- "$@" --time_budget_s="${PAXKV_PART_BUDGET_S:-450}"; fi
+  fi
   echo "== $(date +%H:%M:%S) $script $*" >&2
   local t0=$SECONDS
   if python3 "$script" "$@" "${OUT_FLAG[@]}"; then
     echo "== $stem $* done in $((SECONDS - t0)) s" >&2
+    if [[ " $* " == *" --setting=gpu "* ]]; then report "$OUT_DIR/${stem}_gpu.json"; fi
   else
     echo "== $stem $* FAILED after $((SECONDS - t0)) s" >&2
     FAILED+=("$stem $*")
@@ -82,6 +126,11 @@ if [[ "$CPU" == 1 ]]; then
   JAX_PLATFORMS=cpu run experiments/block_size_ablation.py --setting=cpu
   JAX_PLATFORMS=cpu run experiments/sharing_savings.py --setting=cpu
   JAX_PLATFORMS=cpu run experiments/preemption.py --setting=cpu
+  # The latency-against-load figures beyond Fig. 12 (real-time runs: a few minutes each).
+  JAX_PLATFORMS=cpu run experiments/batched_requests.py --setting=cpu
+  JAX_PLATFORMS=cpu run experiments/sampling_vs_rate.py --setting=cpu
+  JAX_PLATFORMS=cpu run experiments/shared_prefix.py --setting=cpu
+  JAX_PLATFORMS=cpu run experiments/chatbot.py --setting=cpu
 fi
 
 if [[ "$GPU" == 1 ]]; then
@@ -104,6 +153,12 @@ if [[ "$GPU" == 1 ]]; then
   # Same engine geometry, block size by block size: preemption reuses these programs.
   run experiments/block_size_ablation.py --setting=gpu
   run experiments/preemption.py --setting=gpu
+  # The figures added since (each about 3-8 minutes: they need --part or a larger
+  # PAXKV_GPU_TIME_S to get through).
+  run experiments/sampling_vs_rate.py --setting=gpu
+  run experiments/shared_prefix.py --setting=gpu
+  run experiments/chatbot.py --setting=gpu
+  run experiments/batched_requests.py --setting=gpu
 fi
 
 if ((${#FAILED[@]})); then

@@ -12,8 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script: str, out_dir: str, *flags: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
     name = os.path.splitext(os.path.basename(script))[0]
+    # Bounded, but generous: on a busy two-core machine compiling the tiny model's buckets alone
+    # can take a minute or two.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), f"--out_dir={out_dir}", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for ext in ("json", "md", "png"):
         path = os.path.join(out_dir, f"{name}.{ext}")

@@ -97,3 +97,29 @@ def test_capacity_budget_reserve_and_too_small_device():
         plan_capacity(80 * GiB, cfg, 2, 2, 16, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="block_size"):
         plan_capacity(80 * GiB, cfg, 2, 2, 0)
+
+
+def test_translation_like_means_and_reproducibility():
+    reqs = wl.translation_like(100_000, seed=3)
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.output_len for r in reqs])
+    assert abs(p.mean() - 30.0) < 0.6 and abs(o.mean() - 30.0) < 0.6
+    assert wl.translation_like(50, seed=3, rate=4.0) == wl.make_trace("translation", 50, seed=3, rate=4.0)
+
+
+def test_chatbot_like_prompts_are_histories_cut_to_the_limit():
+    reqs = wl.chatbot_like(20_000, seed=2, max_prompt_len=384, mean_prior_turns=2.0)
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.output_len for r in reqs])
+    assert p.max() == 384 and p.min() >= 1
+    # A history of one earlier turn is already about 500 tokens: most prompts sit at the cut,
+    # the rest are first questions (about a third, the geometric law's mass at zero turns).
+    at_cut = (p == 384).mean()
+    assert 0.55 < at_cut < 0.8
+    assert abs(o.mean() - 338.0) < 0.03 * 338.0
+    assert p.mean() > 1.5 * wl.SHAREGPT_INPUT.mean
+    assert wl.chatbot_like(30, seed=2, max_prompt_len=384) == wl.chatbot_like(30, seed=2, max_prompt_len=384)
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        wl.chatbot_like(3, max_prompt_len=0)
+    with pytest.raises(ValueError, match="mean_prior_turns"):
+        wl.chatbot_like(3, mean_prior_turns=-1.0)

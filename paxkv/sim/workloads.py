@@ -17,6 +17,10 @@ CDF, not by sampling), so clipping the long tail does not pull the mean off targ
 | ShareGPT | output | 338         | 0.9   | [1, 1024]     | long answers, a few hit the length cap |
 | Alpaca   | input  | 19          | 0.6   | [1, 1024]     | one-line instructions                  |
 | Alpaca   | output | 58          | 0.9   | [1, 1024]     | short answers, some lists/paragraphs   |
+| translation | input / output | 30 / 30 | 0.5 | [1, 1024]  | one news sentence each way (assumed)   |
+
+`chatbot_like` builds conversation histories from the ShareGPT-like turns, cut to a prompt
+length; `translation_like` gives the per-request part of the shared-prefix workload.
 
 With both caps at 1024, prompt + output never exceeds 2048, the context of the paper's OPT
 models and the default `max_model_len` of the experiments.
@@ -64,7 +68,14 @@ SHAREGPT_OUTPUT = LengthDist(mean=338.0, sigma=0.9, max_len=1024)
 ALPACA_INPUT = LengthDist(mean=19.0, sigma=0.6, max_len=1024)
 ALPACA_OUTPUT = LengthDist(mean=58.0, sigma=0.9, max_len=1024)
 
-TRACES = ("sharegpt", "alpaca")
+TRACES = ("sharegpt", "alpaca", "translation")
+
+# Translation sentences (the paper's shared-prefix workload translates WMT16 English to German;
+# it gives the prefixes' lengths, 80 and 341 tokens, but not the sentences'). About 30 tokens
+# each way is our assumption for news sentences of about 23 words; a German translation runs
+# about as long as its source.
+TRANSLATION_INPUT = LengthDist(mean=30.0, sigma=0.5, max_len=1024)
+TRANSLATION_OUTPUT = LengthDist(mean=30.0, sigma=0.5, max_len=1024)
 
 
 def _lognormal_cdf(x: float, mu: float, sigma: float) -> float:
@@ -156,12 +167,48 @@ def fixed(num: int, input_len: int, output_len: int, seed: int = 0,
     return [Request(input_len, output_len, float(t)) for t in times]
 
 
+def translation_like(num: int, seed: int = 0, rate: float = math.inf) -> list[Request]:
+    """`num` sentences to translate (about 30 tokens in, 30 out); the caller prepends the shared
+    few-shot prefix, so `prompt_len` is the sentence's own part."""
+    return _trace(TRANSLATION_INPUT, TRANSLATION_OUTPUT, num, seed, rate)
+
+
+def chatbot_like(num: int, seed: int = 0, rate: float = math.inf, max_prompt_len: int = 1024,
+                 mean_prior_turns: float = 2.0) -> list[Request]:
+    """`num` chatbot requests: the conversation so far plus the new question is the prompt.
+
+    A conversation has a geometric number of earlier turns (mean `mean_prior_turns`), each a
+    ShareGPT-like question and answer; the prompt is that history and the new ShareGPT-like
+    question, keeping its last `max_prompt_len` tokens (the paper keeps the last 1,024 for a
+    2,048-token model). The answer is ShareGPT-like. So prompts are long, mostly at the cut,
+    and answers short beside them.
+    """
+    _check_num(num)
+    if max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    if mean_prior_turns < 0:
+        raise ValueError(f"mean_prior_turns must be >= 0, got {mean_prior_turns}")
+    len_seed, arr_seed = np.random.SeedSequence(seed).spawn(2)
+    rng = np.random.default_rng(len_seed)
+    turns = rng.geometric(1.0 / (1.0 + mean_prior_turns), size=num) - 1
+    prompts = []
+    for k in turns:
+        history = SHAREGPT_INPUT.sample(rng, int(k)).sum() + SHAREGPT_OUTPUT.sample(rng, int(k)).sum()
+        query = SHAREGPT_INPUT.sample(rng, 1)[0]
+        prompts.append(int(min(history + query, max_prompt_len)))
+    output = SHAREGPT_OUTPUT.sample(rng, num)
+    times = poisson_arrivals(num, rate, int(arr_seed.generate_state(1)[0]))
+    return [Request(p, int(o), float(t)) for p, o, t in zip(prompts, output, times)]
+
+
 def make_trace(name: str, num: int, seed: int = 0, rate: float = math.inf) -> list[Request]:
-    """A trace by name ("sharegpt" or "alpaca"), for flag-driven experiments."""
+    """A trace by name ("sharegpt", "alpaca" or "translation"), for flag-driven experiments."""
     if name == "sharegpt":
         return sharegpt_like(num, seed, rate)
     if name == "alpaca":
         return alpaca_like(num, seed, rate)
+    if name == "translation":
+        return translation_like(num, seed, rate)
     raise ValueError(f"trace must be one of {TRACES}, got {name!r}")
 
 
