@@ -485,15 +485,27 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
                  scheduler: str = "continuous", attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
-                 tokenizer: Any = "auto", num_scheduler_steps: int = 1) -> None:
+                 tokenizer: Any = "auto", num_scheduler_steps: int = 1,
+                 distributed_coordinator_address: str | None = None,
+                 distributed_num_processes: int | None = None,
+                 distributed_process_id: int | None = None) -> None:
+        """`tensor_parallel_size` > 1 splits weights and KV pool over that many devices;
+        the `distributed_*` arguments join several processes (hosts) into one engine
+        (README: "Tensor parallelism and multi-host"). On processes other than 0 the
+        constructor serves process 0's steps and returns when process 0 shuts down."""
+        distributed = None
+        if (distributed_coordinator_address, distributed_num_processes,
+                distributed_process_id) != (None, None, None):
+            from paxkv.parallel import multihost   # before JAX touches a device
+            distributed = multihost.DistributedConfig(
+                distributed_coordinator_address, distributed_num_processes, distributed_process_id)
+            multihost.initialize(distributed)
         import jax
         import jax.numpy as jnp
 
         from paxkv.model.attention import resolve_backend
         from paxkv.runner import Runner
 
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
         on_gpu = jax.default_backend() == "gpu"
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
@@ -501,7 +513,11 @@ class LLM:
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         path, cfg = _resolve_model(model)
-        if path is not None:
+        mesh = None
+        if tensor_parallel_size != 1 or distributed is not None:
+            from paxkv.parallel.loading import load_model
+            mesh, params, cfg = load_model(path, cfg, params, tensor_parallel_size, dtype, seed)
+        elif path is not None:
             from paxkv.model.weights import load_checkpoint
             if params is None:
                 params, cfg = load_checkpoint(path, dtype=dtype)
@@ -543,11 +559,13 @@ class LLM:
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
-        bytes_per_block = block_bytes(cfg, block_size, kv_dtype)
+        # Under tensor parallelism each device holds 1 / tensor_parallel_size of every block
+        # (its KV heads): pool sizing and swap space count one device's share.
+        bytes_per_block = block_bytes(cfg, block_size, kv_dtype) // tensor_parallel_size
         num_blocks = self._num_blocks(cache, params, bytes_per_block, on_gpu, profile=dict(
             cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=max_model_len))
+            max_model_len=max_model_len, mesh=mesh))
         need = math.ceil(max_model_len / block_size) + 1
         if num_blocks < need:
             raise ValueError(
@@ -563,9 +581,25 @@ class LLM:
                         max_num_batched_tokens=sched.max_num_batched_tokens,
                         max_model_len=max_model_len, num_host_blocks=num_host_blocks,
                         min_seq_bucket=8 if on_gpu else 4, min_token_bucket=256 if on_gpu else 16,
-                        fixed_shapes=on_gpu)
+                        fixed_shapes=on_gpu, mesh=mesh)
+        self.is_driver = True
+        if distributed is not None:   # process 0 schedules; the others replay its device calls
+            from paxkv.parallel import multihost
+            self.is_driver = multihost.is_driver()
+            if self.is_driver:
+                import atexit
+                runner = multihost.DriverRunner(runner)
+                atexit.register(runner.close)   # workers must not outlive the driver
         self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
         self._request_counter = itertools.count()
+        if not self.is_driver:
+            multihost.serve(runner)
+
+    def shutdown(self) -> None:
+        """Release the worker processes of a multi-host engine (a no-op on one process)."""
+        close = getattr(self.llm_engine.runner, "close", None)
+        if self.is_driver and close is not None:
+            close()
 
     @staticmethod
     def _num_blocks(cache: CacheConfig, params: Any, bytes_per_block: float, on_gpu: bool,
@@ -580,7 +614,7 @@ class LLM:
 
         from paxkv.runner import profile_activation_bytes
         activations = profile_activation_bytes(params=params, **profile)
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}   # every device holds the same share
         limit = stats.get("bytes_limit", 0)
         weights = stats.get("bytes_in_use", 0)
         # 5% of the budget stays free for XLA's scratch space and fragmentation.
@@ -600,6 +634,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order."""
+        if not self.is_driver:
+            raise RuntimeError("generate runs on process 0 of a multi-host engine; this process "
+                               "only serves its steps")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, text or token ids
         prompts = list(prompts)
