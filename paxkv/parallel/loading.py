@@ -15,6 +15,7 @@ only its shards, one layer at a time: the 70B preset builds on 4 or 8 GPUs.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -156,8 +157,6 @@ def random_params(cfg: ModelConfig, mesh: Mesh, key: jax.Array | int = 0,
     Each tensor comes out of a jitted initializer whose output sharding is its shard layout;
     one layer's separate q/k/v and gate/up kernels live only until they are grouped.
     """
-    import jax.numpy as jnp
-
     from paxkv.model.layers import INIT_STD
     from paxkv.model.llama import _leaf_name, param_shapes
     from paxkv.model.weights import _resolve_dtype
@@ -170,15 +169,26 @@ def random_params(cfg: ModelConfig, mesh: Mesh, key: jax.Array | int = 0,
         keys = tuple(str(getattr(p, "key", p)) for p in path)
         sharding = NamedSharding(mesh, param_spec(keys, leaf.ndim, cfg, mesh))
         if _leaf_name(path).endswith("scale"):
-            x = jax.jit(lambda: jnp.ones(leaf.shape, target), out_shardings=sharding)()
+            x = _initializer(leaf.shape, target, sharding, None)()
         else:
-            x = jax.jit(lambda k: (jax.random.normal(k, leaf.shape, jnp.float32) * INIT_STD).astype(target),
-                        out_shardings=sharding)(jax.random.fold_in(key, i))
+            x = _initializer(leaf.shape, target, sharding, INIT_STD)(jax.random.fold_in(key, i))
         _set(by_top, keys, x)
         top = keys[0]
         if top.startswith("layers_") and _layer_complete(by_top[top], cfg):
             by_top[top] = shard_params({top: by_top[top]}, cfg, mesh)[top]   # group, drop parts
     return by_top
+
+
+@functools.lru_cache(maxsize=None)
+def _initializer(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding,
+                 std: float | None) -> Callable[..., jax.Array]:
+    """A jitted initializer writing straight into `sharding`: ones (std None) or N(0, std),
+    drawn as `paxkv.model.llama.init_params` draws them."""
+    import jax.numpy as jnp
+    if std is None:
+        return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype),
+                   out_shardings=sharding)
 
 
 def _layer_complete(layer: dict, cfg: ModelConfig) -> bool:
