@@ -492,14 +492,18 @@ class LLM:
         """`tensor_parallel_size` > 1 splits weights and KV pool over that many devices;
         the `distributed_*` arguments join several processes (hosts) into one engine
         (README: "Tensor parallelism and multi-host"). On processes other than 0 the
-        constructor serves process 0's steps and returns when process 0 shuts down."""
-        distributed = None
+        constructor builds and serves every engine process 0 builds, and ends the process
+        (SystemExit(0)) when process 0's program exits: every host runs the same program."""
+        arguments = {k: v for k, v in dict(locals()).items() if k != "self"}   # for the workers
         if (distributed_coordinator_address, distributed_num_processes,
                 distributed_process_id) != (None, None, None):
             from paxkv.parallel import multihost   # before JAX touches a device
-            distributed = multihost.DistributedConfig(
-                distributed_coordinator_address, distributed_num_processes, distributed_process_id)
-            multihost.initialize(distributed)
+            multihost.initialize(multihost.DistributedConfig(
+                distributed_coordinator_address, distributed_num_processes, distributed_process_id))
+            if not multihost.is_driver():
+                multihost.run_worker(lambda kwargs: LLM(**kwargs).llm_engine.runner)
+                raise SystemExit(0)
+            multihost.announce_engine(arguments)
         import jax
         import jax.numpy as jnp
 
@@ -514,7 +518,8 @@ class LLM:
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         path, cfg = _resolve_model(model)
         mesh = None
-        if tensor_parallel_size != 1 or distributed is not None:
+        multi_process = jax.process_count() > 1
+        if tensor_parallel_size != 1 or multi_process:
             from paxkv.parallel.loading import load_model
             mesh, params, cfg = load_model(path, cfg, params, tensor_parallel_size, dtype, seed)
         elif path is not None:
@@ -566,6 +571,9 @@ class LLM:
             cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=max_model_len, mesh=mesh))
+        if multi_process:   # every process must build the same pool: process 0's measure
+            from paxkv.parallel import multihost
+            num_blocks = multihost.agree(num_blocks)
         need = math.ceil(max_model_len / block_size) + 1
         if num_blocks < need:
             raise ValueError(
@@ -582,23 +590,16 @@ class LLM:
                         max_model_len=max_model_len, num_host_blocks=num_host_blocks,
                         min_seq_bucket=8 if on_gpu else 4, min_token_bucket=256 if on_gpu else 16,
                         fixed_shapes=on_gpu, mesh=mesh)
-        self.is_driver = True
-        if distributed is not None:   # process 0 schedules; the others replay its device calls
-            from paxkv.parallel import multihost
-            self.is_driver = multihost.is_driver()
-            if self.is_driver:
-                import atexit
-                runner = multihost.DriverRunner(runner)
-                atexit.register(runner.close)   # workers must not outlive the driver
+        if multi_process and multihost.is_driver():   # announce each device call to the workers
+            runner = multihost.DriverRunner(runner)
         self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
         self._request_counter = itertools.count()
-        if not self.is_driver:
-            multihost.serve(runner)
 
     def shutdown(self) -> None:
-        """Release the worker processes of a multi-host engine (a no-op on one process)."""
+        """End this engine on the worker processes of a multi-host run (they wait for the
+        next engine or the end of process 0's program); a no-op on one process."""
         close = getattr(self.llm_engine.runner, "close", None)
-        if self.is_driver and close is not None:
+        if close is not None:
             close()
 
     @staticmethod
@@ -634,9 +635,6 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order."""
-        if not self.is_driver:
-            raise RuntimeError("generate runs on process 0 of a multi-host engine; this process "
-                               "only serves its steps")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, text or token ids
         prompts = list(prompts)

@@ -159,16 +159,18 @@ def test_sharded_load_places_each_shard(checkpoint):
 
 
 def test_random_params_built_sharded_equal_one_device():
+    from jax.sharding import PartitionSpec as P
+
     from paxkv.config import get_preset
     from paxkv.model.fusion import group_projections
     from paxkv.model.weights import random_params
     from paxkv.parallel import loading
     from paxkv.parallel.mesh import make_mesh
-    cfg = dataclasses.replace(get_preset("tiny-random"), num_layers=2)
+    cfg = dataclasses.replace(get_preset("tiny-random"), num_layers=1)
     mesh = make_mesh(2)
     got = loading.random_params(cfg, mesh, jax.random.PRNGKey(3), "float32")
     want = group_projections(random_params(cfg, jax.random.PRNGKey(3), "float32"), cfg)
-    assert got["layers_1"]["mlp"]["gate_up_proj"]["kernel"].sharding.spec == (None, "tp", None)
+    assert got["layers_0"]["mlp"]["gate_up_proj"]["kernel"].sharding.spec == P(None, "tp", None)
     for x, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(w))
 
@@ -183,7 +185,8 @@ def test_bad_tensor_parallel_size(checkpoint, tp, message):
 
 def test_two_processes_equal_one(checkpoint, tmp_path):
     """Two processes on localhost (gloo CPU collectives), two devices each, TP = 4 across
-    them: process 0 schedules, process 1 replays its steps; the tokens are one process's."""
+    them: process 0 schedules, process 1 replays its steps; two engines in turn, the second
+    swapping under preemption; the tokens are one process's."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -199,3 +202,4 @@ def test_two_processes_equal_one(checkpoint, tmp_path):
     got = json.loads(out.read_text())
     want = one_device(checkpoint, "default")
     assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"]
+    assert got["swapped"] == want["greedy"] and got["preemptions"] > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TP_CONFIG = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=8, hidden_size=64,
+TP_CONFIG = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=16, hidden_size=64,
                  intermediate_size=128)
 BLOCK_SIZE = 4
 PROMPT_LENS = (5, 19, 33, 7)

@@ -69,14 +69,21 @@ def fuse_projections(params: Params) -> Params:
     """
     if is_fused(params):
         return params
+    return with_fused_kernels(params, lambda layer, block, parts: _concat(
+        [layer[block][p]["kernel"] for p in parts]))
+
+
+def with_fused_kernels(params: Params, make: Any) -> Params:
+    """A new tree whose layers hold, per fused kernel, `make(layer, block, parts)` in place of
+    the separate kernels (and of any fused kernel already there)."""
     out = dict(params)
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
         layer = dict(layer)
         for fused_name, (block, parts) in FUSED.items():
-            sub = dict(layer[block])
-            sub[fused_name] = {"kernel": _concat([sub.pop(p)["kernel"] for p in parts])}
+            sub = {k: v for k, v in layer[block].items() if k not in parts and k != fused_name}
+            sub[fused_name] = {"kernel": make(layer, block, parts)}
             layer[block] = sub
         out[name] = layer
     return out
@@ -105,20 +112,8 @@ def group_projections(params: Params, cfg: ModelConfig) -> Params:
     under jit with the target shardings, so no device holds a whole kernel)."""
     if is_grouped(params):
         return params
-    out = dict(params)
-    for name, layer in params.items():
-        if not name.startswith("layers_"):
-            continue
-        layer = dict(layer)
-        for fused_name, (block, parts) in FUSED.items():
-            sub = dict(layer[block])
-            kernels = [projection(layer, block, p, cfg) for p in parts]
-            for p in parts:
-                sub.pop(p, None)
-            sub[fused_name] = {"kernel": _group(kernels, cfg.num_kv_heads)}
-            layer[block] = sub
-        out[name] = layer
-    return out
+    return with_fused_kernels(params, lambda layer, block, parts: _group(
+        [projection(layer, block, p, cfg) for p in parts], cfg.num_kv_heads))
 
 
 _group = jax.jit(group_kernel, static_argnums=(1,))

@@ -28,17 +28,17 @@ def check_tensor_parallel_size(cfg: ModelConfig, tensor_parallel_size: int,
     tp = tensor_parallel_size
     if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if num_devices is None:
+        num_devices = jax.device_count()
+    if tp > num_devices:
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the {num_devices} devices present "
+                         f"({jax.default_backend()})")
     if cfg.num_kv_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's num_kv_heads "
                          f"({cfg.num_kv_heads}): the KV pool is split by KV heads")
     if tp > 1 and cfg.intermediate_size % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {tp}: intermediate_size {cfg.intermediate_size} "
                          f"does not split into num_kv_heads ({cfg.num_kv_heads}) equal groups")
-    if num_devices is None:
-        num_devices = jax.device_count()
-    if tp > num_devices:
-        raise ValueError(f"tensor_parallel_size {tp} exceeds the {num_devices} devices present "
-                         f"({jax.default_backend()})")
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[Any] | None = None) -> Mesh:

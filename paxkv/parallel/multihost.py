@@ -1,26 +1,32 @@
 """One engine over several hosts: JAX's multi-controller model with one scheduler.
 
-Every process runs the same program (`LLM(..., distributed_*=...)`): `jax.distributed.initialize`
-joins them, the mesh then spans every process's devices, and every jitted step runs on all of
-them at once. Only process 0 (the driver) runs the host side, scheduler and block manager
-included. Before each runner call (a step, a block copy, a swap) the driver broadcasts the
-call and its arguments (`multihost_utils.broadcast_one_to_all`: a size header, then the
-pickled call in a power-of-two bucket so the broadcast compiles a handful of times); the other
-processes (workers) make the same call on their own runner, so all processes launch the same
-programs in the same order, which is all multi-controller JAX asks. Workers return from
-`serve` when the driver's runner is closed.
+Every process calls `LLM(..., distributed_*=...)` (or runs `python -m paxkv.parallel.multihost`
+with the same three flags): `jax.distributed.initialize` joins them, the mesh then spans every
+process's devices, and every jitted program runs on all of them at once. Only process 0 (the
+driver) runs the host side, scheduler and block manager included, and the program around it.
+
+The driver announces each engine it builds (its LLM arguments), and before each runner call
+(a step, a block copy, a swap) it broadcasts the call and its arguments
+(`multihost_utils.broadcast_one_to_all`: a size header, then the pickled message in a
+power-of-two bucket, so the broadcast compiles a handful of times). The other processes
+(workers) build the same engine and make the same calls on their own runner, so all
+processes launch the same programs in the same order, which is all multi-controller JAX
+asks. One engine spans the hosts at a time: building the next one closes the last.
+Workers return when the driver's program exits.
 """
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 # Runner methods that touch the device, replayed on every process in the driver's order.
 DEVICE_CALLS = ("execute", "execute_multi_decode", "copy_blocks", "swap_out", "swap_in")
-_STOP = "stop"
+_STOP = "stop"        # the current engine is closed
+_ENGINE = "engine"     # build an engine: LLM keyword arguments follow
+_EXIT = "exit"         # the driver's program is over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +111,62 @@ def _broadcast(message: bytes | None) -> bytes:
     return words.view(np.uint8)[:n].tobytes()
 
 
+def _send(*message: Any) -> None:
+    _broadcast(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive() -> tuple[Any, ...]:
+    return pickle.loads(_broadcast(None))
+
+
+_current: "DriverRunner | None" = None
+_exit_registered = False
+
+
+def announce_engine(llm_kwargs: dict[str, Any]) -> None:
+    """Driver: tell the workers to build an engine with these LLM arguments (closing the
+    last one). Weights cannot travel this way: workers load or build their own shards."""
+    global _exit_registered
+    if llm_kwargs.get("params") is not None:
+        raise ValueError("params cannot be passed to a multi-host engine: give a checkpoint "
+                         "directory or a preset, and every process loads its own shards")
+    if _current is not None:
+        _current.close()
+    if not _exit_registered:
+        import atexit
+        atexit.register(_send, _EXIT)   # workers must not outlive the driver's program
+        _exit_registered = True
+    kwargs = {k: v for k, v in llm_kwargs.items() if not k.startswith("distributed_")}
+    kwargs["tokenizer"] = None          # workers never tokenize
+    _send(_ENGINE, kwargs)
+
+
+def agree(value: int) -> int:
+    """Process 0's `value` on every process (e.g. the pool size each one measured)."""
+    from jax.experimental import multihost_utils
+    return int(multihost_utils.broadcast_one_to_all(np.array([value], np.int64))[0])
+
+
+def run_worker(build: Any) -> int:
+    """A worker process: build every engine the driver announces (`build(kwargs)` returns
+    its runner) and make the driver's device calls on it, in the driver's order, until the
+    driver's program exits. Returns the number of calls made."""
+    runner, calls = None, 0
+    while True:
+        kind, *rest = _receive()
+        if kind == _EXIT:
+            return calls
+        if kind == _ENGINE:
+            runner = build(rest[0])
+        elif kind == _STOP:
+            runner = None
+        elif kind in DEVICE_CALLS and runner is not None:
+            getattr(runner, kind)(*rest[0])
+            calls += 1
+        else:
+            raise RuntimeError(f"worker received {kind!r} with no engine to run it on")
+
+
 class DriverRunner:
     """Process 0's runner: every device call is announced to the workers, then made.
 
@@ -112,18 +174,20 @@ class DriverRunner:
     """
 
     def __init__(self, runner: Any) -> None:
+        global _current
         self._runner = runner
         self._closed = False
         for name in DEVICE_CALLS:
             setattr(self, name, self._forward(name))
+        _current = self
 
     def _forward(self, name: str) -> Any:
         method = getattr(self._runner, name)
 
         def call(*args: Any) -> Any:
             if self._closed:
-                raise RuntimeError("the engine was shut down; its worker processes have exited")
-            _broadcast(pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL))
+                raise RuntimeError("this multi-host engine was shut down (or a newer one built)")
+            _send(name, args)
             return method(*args)
         return call
 
@@ -131,30 +195,31 @@ class DriverRunner:
         return getattr(self._runner, name)
 
     def close(self) -> None:
-        """Release the workers (they return from `serve`); idempotent."""
+        """End this engine on the workers (they wait for the next one); idempotent."""
+        global _current
         if not self._closed:
             self._closed = True
-            _broadcast(pickle.dumps((_STOP, ())))
+            _send(_STOP, ())
+            if _current is self:
+                _current = None
 
 
-def serve(runner: Any) -> int:
-    """A worker's loop: make the driver's device calls on `runner` until it closes.
+def main(argv: Any = None) -> None:
+    """`python -m paxkv.parallel.multihost --coordinator_address=H:P --num_processes=N
+    --process_id=I`: a worker process (I > 0) serving whatever engines process 0 builds."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--coordinator_address", required=True)
+    parser.add_argument("--num_processes", type=int, required=True)
+    parser.add_argument("--process_id", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.process_id == 0:
+        raise ValueError("--process_id 0 is the driver: run the program itself there, with "
+                         "LLM(..., distributed_process_id=0)")
+    from paxkv import LLM
+    LLM(distributed_coordinator_address=args.coordinator_address,
+        distributed_num_processes=args.num_processes, distributed_process_id=args.process_id)
 
-    Returns the number of calls made. The messages come from process 0 of this run only.
-    """
-    calls = 0
-    while True:
-        name, args = pickle.loads(_broadcast(None))
-        if name == _STOP:
-            return calls
-        if name not in DEVICE_CALLS:
-            raise RuntimeError(f"worker received an unknown runner call {name!r}")
-        getattr(runner, name)(*args)
-        calls += 1
 
-
-def distributed_config(values: Mapping[str, Any]) -> DistributedConfig:
-    """The LLM keywords `distributed_*` -> a DistributedConfig."""
-    return DistributedConfig(values.get("distributed_coordinator_address"),
-                             values.get("distributed_num_processes"),
-                             values.get("distributed_process_id"))
+if __name__ == "__main__":
+    main()

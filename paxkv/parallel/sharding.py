@@ -79,31 +79,19 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     Each tensor is placed (or regrouped) by its own jitted call whose output sharding is
     the target, so a device receives only its own shard of every tensor it did not hold.
     """
-    from paxkv.model.fusion import FUSED, FUSED_PARTS, projection
-    grouped = NamedSharding(mesh, P(None, AXIS, None))
-    out: dict[str, Any] = {}
-    for name, sub in params.items():
-        if not name.startswith("layers_"):
-            out[name] = _place_tree(sub, (name,), cfg, mesh)
-            continue
-        layer = {block: {t: _place_tree(v, (name, block, t), cfg, mesh) for t, v in tensors.items()
-                         if t not in FUSED and t not in FUSED_PARTS}
-                 for block, tensors in sub.items()}
-        for fused_name, (block, parts) in FUSED.items():
-            kernels = tuple(projection(sub, block, p, cfg) for p in parts)
-            layer[block][fused_name] = {"kernel": _jit_grouped(cfg.num_kv_heads, grouped)(kernels)}
-        out[name] = layer
-    return out
-
-
-def _place_tree(tree: Any, prefix: tuple[str, ...], cfg: ModelConfig, mesh: Mesh) -> Any:
+    from paxkv.model.fusion import projection, with_fused_kernels
+    regroup = _jit_grouped(cfg.num_kv_heads, NamedSharding(mesh, P(None, AXIS, None)))
+    grouped = with_fused_kernels(params, lambda layer, block, parts: regroup(
+        tuple(projection(layer, block, p, cfg) for p in parts)))
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _place(x, NamedSharding(
-            mesh, param_spec(prefix + _key_path(path), np.ndim(x), cfg, mesh))), tree)
+        lambda path, x: _place(x, NamedSharding(mesh, param_spec(_key_path(path), np.ndim(x), cfg, mesh))),
+        grouped)
 
 
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
     if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
         return jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
