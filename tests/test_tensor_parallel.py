@@ -106,7 +106,6 @@ def test_pallas_kernels_run_per_device(checkpoint):
 def test_one_all_reduce_after_each_row_parallel_matmul(checkpoint):
     """The compiled TP step all-reduces the hidden state after the embedding, o_proj and
     down_proj (1 + 2 per layer) and all-gathers no weight."""
-    from paxkv.cache import kv_pool as kvp
     from paxkv.model.batch import StepBatch
     from paxkv.model.llama import forward
     from paxkv.parallel import loading, sharding
@@ -129,17 +128,29 @@ def test_one_all_reduce_after_each_row_parallel_matmul(checkpoint):
             assert np.prod([int(d) for d in shape.split(",") if d]) < weight_elems, op
 
 
-def test_sharded_load_places_each_shard(checkpoint):
+def test_sharded_load_places_each_shard(checkpoint, monkeypatch):
     """Loading a multi-file checkpoint onto 4 devices: every parameter has its planned
-    sharding, every device holds only its shard, and the values are the checkpoint's."""
+    sharding, every device holds only its shard, the values are the checkpoint's, and no
+    read of a split tensor takes more than one shard's part of it from the file."""
     from jax.sharding import PartitionSpec as P
 
     from paxkv.model.fusion import group_projections
     from paxkv.model.weights import load_checkpoint
     from paxkv.parallel import loading
     from paxkv.parallel.mesh import make_mesh
+    reads = []
+    read_slice = loading.read_slice
+
+    def recording(index, name, rows, cols=None):
+        out = read_slice(index, name, rows, cols)
+        reads.append((name, out.size, int(np.prod(index.info(name)[1]["shape"]))))
+        return out
+    monkeypatch.setattr(loading, "read_slice", recording)
     mesh = make_mesh(4)
     params, cfg = loading.load_checkpoint(checkpoint, mesh, "float32")
+    split = [(n, size, full) for n, size, full in reads if "norm" not in n]
+    assert len(split) == 4 * (7 * cfg.num_layers + 2)   # 4 shards of q k v o gate up down, embedding, head
+    assert all(size * 4 <= full for _, size, full in split), max(split, key=lambda r: r[1] / r[2])
     assert len([f for f in os.listdir(checkpoint) if f.endswith(".safetensors")]) > 1
     want = group_projections(load_checkpoint(checkpoint, "float32")[0], cfg)
     plan = {"qkv_proj": P(None, "tp", None), "gate_up_proj": P(None, "tp", None),

@@ -21,7 +21,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -79,10 +78,12 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     Each tensor is placed (or regrouped) by its own jitted call whose output sharding is
     the target, so a device receives only its own shard of every tensor it did not hold.
     """
-    from paxkv.model.fusion import projection, with_fused_kernels
-    regroup = _jit_grouped(cfg.num_kv_heads, NamedSharding(mesh, P(None, AXIS, None)))
-    grouped = with_fused_kernels(params, lambda layer, block, parts: regroup(
-        tuple(projection(layer, block, p, cfg) for p in parts)))
+    from paxkv.model.fusion import is_grouped, projection, with_fused_kernels
+    grouped = params
+    if not is_grouped(params):
+        regroup = _jit_grouped(cfg.num_kv_heads, NamedSharding(mesh, P(None, AXIS, None)))
+        grouped = with_fused_kernels(params, lambda layer, block, parts: regroup(
+            tuple(projection(layer, block, p, cfg) for p in parts)))
     return jax.tree_util.tree_map_with_path(
         lambda path, x: _place(x, NamedSharding(mesh, param_spec(_key_path(path), np.ndim(x), cfg, mesh))),
         grouped)
@@ -105,14 +106,13 @@ def _jit_grouped(groups: int, sharding: NamedSharding) -> Any:
 
 # ---------------------------------------------------------------------------- the KV pool
 
-def pool_shardings(pool: kvp.KVPool | None, mesh: Mesh, quantized: bool | None = None) -> kvp.KVPool:
+def pool_shardings(pool: kvp.KVPool, mesh: Mesh) -> kvp.KVPool:
     """NamedShardings of a pool's leaves (pages split by heads, scales with them)."""
     pages, scales = NamedSharding(mesh, PAGE_SPEC), NamedSharding(mesh, SCALE_SPEC)
     layers = len(pool.k)
-    quantized = pool.quantized if quantized is None else quantized
     return kvp.KVPool((pages,) * layers, (pages,) * layers,
-                      (scales,) * layers if quantized else None,
-                      (scales,) * layers if quantized else None)
+                      (scales,) * layers if pool.quantized else None,
+                      (scales,) * layers if pool.quantized else None)
 
 
 def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any, mesh: Mesh) -> kvp.KVPool:
