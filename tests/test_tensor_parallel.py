@@ -214,3 +214,32 @@ def test_two_processes_equal_one(checkpoint, tmp_path):
     want = one_device(checkpoint, "default")
     assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"]
     assert got["swapped"] == want["greedy"] and got["preemptions"] > 0
+
+
+def test_distributed_arguments_are_checked_and_mapped():
+    from paxkv.parallel.multihost import DistributedConfig, llm_kwargs
+    with pytest.raises(ValueError, match="distributed_process_id"):
+        DistributedConfig("127.0.0.1:1234", 2, 2).check()
+    with pytest.raises(ValueError, match="distributed_coordinator_address"):
+        DistributedConfig("localhost", 2, 0).check()
+    with pytest.raises(ValueError, match="distributed_num_processes"):
+        DistributedConfig("127.0.0.1:1234", 0, 0).check()
+    assert llm_kwargs("10.0.0.1:1234", 2, 1, 16) == {
+        "tensor_parallel_size": 16, "distributed_coordinator_address": "10.0.0.1:1234",
+        "distributed_num_processes": 2, "distributed_process_id": 1}
+    assert llm_kwargs() == {}
+
+
+def test_capacity_plan_counts_one_device():
+    """N devices: each holds 1/N of the split weights and of every token's KV."""
+    from paxkv.capacity import GiB, plan_capacity
+    from paxkv.config import get_preset
+    cfg = get_preset("llama3-70b")
+    one = plan_capacity(140 * GiB, cfg, 2.0, 2.0, 16)
+    four = plan_capacity(140 * GiB, cfg, 2.0, 2.0, 16, tensor_parallel_size=4)
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2
+    assert four.weights_bytes == pytest.approx((one.weights_bytes - norms) / 4 + norms, abs=1)
+    assert four.kv_bytes_per_token == one.kv_bytes_per_token / 4
+    assert four.tokens == int((140 * GiB - four.weights_bytes) // four.kv_bytes_per_token)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        plan_capacity(140 * GiB, cfg, 2.0, 2.0, 16, tensor_parallel_size=3)

@@ -24,6 +24,9 @@ import numpy as np
 
 # Runner methods that touch the device, replayed on every process in the driver's order.
 DEVICE_CALLS = ("execute", "execute_multi_decode", "copy_blocks", "swap_out", "swap_in")
+# Block movements the engine asks for on every step, mostly with nothing to move: an empty
+# one touches no device, so it is not announced.
+_BLOCK_MOVES = ("copy_blocks", "swap_out", "swap_in")
 _STOP = "stop"        # the current engine is closed
 _ENGINE = "engine"     # build an engine: LLM keyword arguments follow
 _EXIT = "exit"         # the driver's program is over
@@ -144,7 +147,7 @@ def announce_engine(llm_kwargs: dict[str, Any]) -> None:
 def agree(value: int) -> int:
     """Process 0's `value` on every process (e.g. the pool size each one measured)."""
     from jax.experimental import multihost_utils
-    return int(multihost_utils.broadcast_one_to_all(np.array([value], np.int64))[0])
+    return int(multihost_utils.broadcast_one_to_all(np.array([value], np.int32))[0])
 
 
 def run_worker(build: Any) -> int:
@@ -187,7 +190,8 @@ class DriverRunner:
         def call(*args: Any) -> Any:
             if self._closed:
                 raise RuntimeError("this multi-host engine was shut down (or a newer one built)")
-            _send(name, args)
+            if name not in _BLOCK_MOVES or args[0]:
+                _send(name, args)
             return method(*args)
         return call
 
