@@ -44,6 +44,10 @@ class CapacitySettings:
     # gpu setting only: measure weights and allocate the planned pool on the device.
     measure_on_device: bool = False
     device_model: str = "llama3-8b"
+    # Tensor-parallel planning: these models split over 1..8 of these devices (bf16 weights).
+    tp_models: tuple[str, ...] = ("llama3-8b", "llama3-70b")
+    tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    tp_gpu: str = "H200 (141 GB)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ weights, 9 GB left, 72k tokens at 128 KiB each, twice that with FP8) and the pap
     PYTHONPATH=. python3 experiments/capacity.py                  # arithmetic only (CPU)
     PYTHONPATH=. python3 experiments/capacity.py --setting=gpu    # also checks the plan on the
                                                                   # device: capacity_device.*
+
+It also plans tensor parallelism: Llama-3-8B and -70B split over 1, 2, 4 and 8 H200s.
 """
 from __future__ import annotations
 
@@ -89,6 +91,29 @@ def plan_rows(s: configs.CapacitySettings) -> list[dict[str, Any]]:
     return rows
 
 
+def tensor_parallel_rows(s: configs.CapacitySettings) -> list[dict[str, Any]]:
+    """Each model on 1..8 devices: per-device weights and KV, the pool's tokens (a token
+    spans every device) and so the longest one context that fits, bf16 and 8-bit KV."""
+    rows = []
+    for model in s.tp_models:
+        cfg = get_preset(model)
+        scales = 2 * cfg.num_layers * cfg.num_kv_heads * 2.0   # the 8-bit pool's bf16 scales
+        for tp in s.tp_sizes:
+            row: dict[str, Any] = {"model": model, "gpu": s.tp_gpu, "tensor_parallel_size": tp,
+                                   "max_position_embeddings": cfg.max_position_embeddings}
+            for kv_name, kv_bytes, extra in (("bf16", 2.0, 0.0), ("fp8", 1.0, scales)):
+                plan = plan_capacity(configs.GPUS[s.tp_gpu], cfg, s.weight_dtype_bytes, kv_bytes,
+                                     s.block_size, s.gpu_memory_utilization, s.activation_reserve_bytes,
+                                     kv_scale_bytes_per_token=extra, tensor_parallel_size=tp)
+                row.update({"weights_gib_per_device": plan.weights_bytes / GiB,
+                            f"kv_gib_per_device_{kv_name}": plan.kv_bytes / GiB,
+                            f"kv_bytes_per_token_per_device_{kv_name}": plan.kv_bytes_per_token,
+                            f"tokens_{kv_name}": plan.tokens,
+                            f"longest_context_{kv_name}": plan.usable_tokens})
+            rows.append(row)
+    return rows
+
+
 def _dtype_name(nbytes: float) -> str:
     return {2.0: "bf16", 1.0: "8-bit", 4.0: "fp32", 0.5: "4-bit"}.get(float(nbytes), f"{nbytes} B")
 
@@ -166,6 +191,24 @@ def _fig(rows: list[dict[str, Any]]):
     return fig
 
 
+def _tp_table(tp_rows: list[dict[str, Any]], s: configs.CapacitySettings) -> str:
+    return ("## Tensor parallelism: one model over several devices\n\n"
+            f"Each device a {s.tp_gpu}, bf16 weights, the engine's budget "
+            f"({common.pct(s.gpu_memory_utilization, 0)} minus {s.activation_reserve_bytes / GiB:.0f} GiB per "
+            "device). Weights and KV are per device (every weight but the norms split N ways, each "
+            "device holding 1/N of every token's KV heads); tokens count the pool's token slots, each "
+            "spanning all N devices, so the longest context is one sequence using the whole pool "
+            "(whole blocks, the null block excluded). FP8 counts the 8-bit pool's bf16 scales.\n\n"
+            + common.markdown_table(
+                ["model", "devices", "weights GiB / device", "KV GiB / device (bf16)", "KV bytes / token / device (bf16)",
+                 "longest context, bf16 KV", "longest context, FP8 KV", "model's max positions"],
+                [[r["model"], r["tensor_parallel_size"], f"{r['weights_gib_per_device']:.2f}",
+                  f"{r['kv_gib_per_device_bf16']:.2f}", f"{r['kv_bytes_per_token_per_device_bf16'] / 1024:.0f} KiB",
+                  f"{r['longest_context_bf16']:,}" if r["longest_context_bf16"] else "does not fit",
+                  f"{r['longest_context_fp8']:,}" if r["longest_context_fp8"] else "does not fit",
+                  f"{r['max_position_embeddings']:,}"] for r in tp_rows]))
+
+
 def _tables(rows: list[dict[str, Any]], device: dict[str, Any] | None, s: configs.CapacitySettings) -> tuple[str, str]:
     we = [r for r in rows if r["budget"] == "whole device"]
     bf, f8 = we[0], we[1]
@@ -220,15 +263,18 @@ def main(argv: list[str]) -> None:
     if FLAGS.block_size is not None:
         s = dataclasses.replace(s, block_size=FLAGS.block_size)
     rows = plan_rows(s)
+    tp_rows = tensor_parallel_rows(s)
     device = measure_on_device(s) if s.measure_on_device else None
     table, notes = _tables(rows, device, s)
+    table += "\n\n" + _tp_table(tp_rows, s)
     hardware = device["device"] if device else common.host_hardware("arithmetic only")
     # The device check gets its own files, so the CPU run does not overwrite it.
     name = NAME + "_device" if device else NAME
     paths = common.write_results(
         name, FLAGS.out_dir, title="KV cache capacity: where an accelerator's memory goes",
         command=common.command_line(), hardware=hardware, settings=dataclasses.asdict(s),
-        results={"plans": rows, "device_check": device, "worked_example_reference": WORKED_EXAMPLE,
+        results={"plans": rows, "tensor_parallel": tp_rows, "device_check": device,
+                 "worked_example_reference": WORKED_EXAMPLE,
                  "paper": common.PAPER["memory_layout"]},
         table=table, notes=notes, figure=_fig(rows))
     print(table)

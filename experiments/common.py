@@ -81,6 +81,34 @@ def define_serving_flags() -> None:
                         "A json this experiment wrote before at the same setting (a partial sweep): its "
                         "points are kept and not run again, the rest are run, and the extended json is "
                         "written to --out_dir. A missing file means nothing to resume.")
+    define_parallel_flags()
+
+
+def define_parallel_flags() -> None:
+    """Tensor parallelism and multi-host: `parallel_llm_kwargs()` maps them to LLM arguments.
+
+    On several hosts every process runs the experiment with the same flags but its own
+    `--distributed_process_id`; process 0 runs it and writes the results, the others serve
+    its engines' steps and exit with it.
+    """
+    from absl import flags
+    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices (of all processes) the weights and "
+                         "KV heads are split over.")
+    flags.DEFINE_string("distributed_coordinator_address", None,
+                        "host:port of process 0, to run one engine over several processes.")
+    flags.DEFINE_integer("distributed_num_processes", None, "Processes of a multi-host run.")
+    flags.DEFINE_integer("distributed_process_id", None, "This process's index (0 = driver).")
+
+
+def parallel_llm_kwargs() -> dict[str, Any]:
+    """The parallel flags' values as LLM keyword arguments ({} where they are not defined)."""
+    from absl import flags
+    from paxkv.parallel.multihost import llm_kwargs
+    f = flags.FLAGS
+    if "tensor_parallel_size" not in f:
+        return {}
+    return llm_kwargs(f.distributed_coordinator_address, f.distributed_num_processes,
+                      f.distributed_process_id, f.tensor_parallel_size)
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -50,9 +50,12 @@ def make_llm(geo: "configs.EngineGeometry", **override: Any):
         dtype=geo.dtype, block_size=bs, num_gpu_blocks_override=pool_tokens // bs + 1,
         max_num_seqs=geo.max_num_seqs, max_num_batched_tokens=geo.max_num_batched_tokens,
         max_model_len=geo.max_model_len, enable_prefix_caching=False, seed=geo.seed)
+    kw.update(common.parallel_llm_kwargs())
     kw.update(override)
     key = (geo.model, geo.dtype)
-    llm = LLM(geo.model, params=_PARAMS.get(key), **kw)
+    # A multi-host engine loads its own shards on every process: weights are not passed.
+    shared = None if kw.get("distributed_coordinator_address") else _PARAMS.get(key)
+    llm = LLM(geo.model, params=shared, **kw)
     _PARAMS.setdefault(key, llm.llm_engine.runner.params)
     return llm
 

@@ -51,11 +51,30 @@ class LLM:
                  scheduler: str = "continuous", attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
                  tokenizer: Any = "auto", num_scheduler_steps: int = 1,
-                 async_scheduling: bool = True, compilation_cache_dir: str | None = "auto") -> None:
+                 async_scheduling: bool = True, compilation_cache_dir: str | None = "auto",
+                 distributed_coordinator_address: str | None = None,
+                 distributed_num_processes: int | None = None,
+                 distributed_process_id: int | None = None) -> None:
         """`async_scheduling`: dispatch step t+1 before reading step t (the fast path; False
         gives the synchronous engine, same outputs). `compilation_cache_dir`: JAX's
         persistent compilation cache ("auto": `PAXKV_COMPILATION_CACHE_DIR` or the user
-        cache directory; None or "off": no cache; see `paxkv/runner/compile_cache.py`)."""
+        cache directory; None or "off": no cache; see `paxkv/runner/compile_cache.py`).
+
+        `tensor_parallel_size` > 1 splits weights and KV pool over that many devices; the
+        `distributed_*` arguments join several processes (hosts) into one engine (README:
+        "Tensor parallelism and multi-host"). On processes other than 0 the constructor
+        builds and serves every engine process 0 builds, and ends the process
+        (SystemExit(0)) when process 0's program exits: every host runs the same program."""
+        arguments = {k: v for k, v in dict(locals()).items() if k != "self"}   # for the workers
+        if (distributed_coordinator_address, distributed_num_processes,
+                distributed_process_id) != (None, None, None):
+            from paxkv.parallel import multihost   # before JAX touches a device
+            multihost.initialize(multihost.DistributedConfig(
+                distributed_coordinator_address, distributed_num_processes, distributed_process_id))
+            if not multihost.is_driver():
+                multihost.run_worker(lambda kwargs: LLM(**kwargs).llm_engine.runner)
+                raise SystemExit(0)
+            multihost.announce_engine(arguments)
         import jax
         import jax.numpy as jnp
 
@@ -66,8 +85,6 @@ class LLM:
 
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
 
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
         on_gpu = jax.default_backend() == "gpu"
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
@@ -75,7 +92,12 @@ class LLM:
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         path, cfg = _resolve_model(model)
-        if path is not None:
+        mesh = None
+        multi_process = jax.process_count() > 1
+        if tensor_parallel_size != 1 or multi_process:
+            from paxkv.parallel.loading import load_model
+            mesh, params, cfg = load_model(path, cfg, params, tensor_parallel_size, dtype, seed)
+        elif path is not None:
             from paxkv.model.weights import load_checkpoint
             if params is None:
                 params, cfg = load_checkpoint(path, dtype=dtype)
@@ -118,11 +140,16 @@ class LLM:
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
-        bytes_per_block = block_bytes(cfg, block_size, kv_dtype)
+        # Under tensor parallelism each device holds 1 / tensor_parallel_size of every block
+        # (its KV heads): pool sizing and swap space count one device's share.
+        bytes_per_block = block_bytes(cfg, block_size, kv_dtype) // tensor_parallel_size
         num_blocks = num_kv_blocks(cache, params, bytes_per_block, profile=dict(
             cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=max_model_len))
+            max_model_len=max_model_len, mesh=mesh))
+        if multi_process:   # every process must build the same pool: process 0's measure
+            from paxkv.parallel import multihost
+            num_blocks = multihost.agree(num_blocks)
         need = math.ceil(max_model_len / block_size) + 1
         if num_blocks < need:
             raise ValueError(
@@ -138,7 +165,9 @@ class LLM:
                         max_num_batched_tokens=sched.max_num_batched_tokens,
                         max_model_len=max_model_len, num_host_blocks=num_host_blocks,
                         min_seq_bucket=8 if on_gpu else 4, min_token_bucket=256 if on_gpu else 16,
-                        fixed_shapes=on_gpu)
+                        fixed_shapes=on_gpu, mesh=mesh)
+        if multi_process and multihost.is_driver():   # announce each device call to the workers
+            runner = multihost.DriverRunner(runner)
         self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
         self._request_counter = itertools.count()
 
@@ -201,7 +230,10 @@ class LLM:
         engine = getattr(self, "llm_engine", None)
         if engine is None:
             return
+        close = getattr(engine.runner, "close", None)   # multi-host: end it on the workers
         engine.shutdown()
+        if close is not None:
+            close()
         self.llm_engine = None
 
     def __enter__(self) -> "LLM":

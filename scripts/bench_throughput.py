@@ -38,6 +38,7 @@ flags.DEFINE_integer("block_size", 16, "tokens per KV block")
 flags.DEFINE_float("gpu_memory_utilization", 0.9, "share of JAX's device memory for the engine")
 flags.DEFINE_integer("num_gpu_blocks_override", None, "fix the KV pool size")
 flags.DEFINE_string("attention_backend", "auto", "reference | pallas | auto")
+flags.DEFINE_integer("tensor_parallel_size", 1, "devices the weights and KV heads are split over")
 flags.DEFINE_bool("compare", False, "also run the static policy and transformers")
 flags.DEFINE_integer("static_num_prompts", 400, "requests for the static-policy comparison")
 flags.DEFINE_integer("hf_num_prompts", 16, "requests for transformers (one batch)")
@@ -251,7 +252,8 @@ def latency_run(llm, cfg, bw: dict) -> dict:
     decode_s = m.finished_time - m.first_token_time
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.llm_engine.runner.params))
     weight_bytes -= cfg.vocab_size * cfg.hidden_size * 2  # the embedding is gathered, not read
-    roofline = bw["ceiling_TBps"] * 1e12 / weight_bytes
+    # Under tensor parallelism each of the N devices reads its 1/N of the weights.
+    roofline = FLAGS.tensor_parallel_size * bw["ceiling_TBps"] * 1e12 / weight_bytes
     tps = 511 / decode_s
     return {"output_tokens_per_s": 512 / el, "decode_tokens_per_s": tps,
             "ttft_s": m.first_token_time - m.arrival_time, "weights_read_GB": weight_bytes / 1e9,
@@ -333,7 +335,8 @@ def main(argv):
                         k: FLAGS[k].value for k in ("model", "workloads", "num_prompts", "max_num_seqs",
                                                      "max_num_batched_tokens", "max_model_len",
                                                      "block_size", "static_num_prompts",
-                                                     "hf_num_prompts", "num_scheduler_steps")}}
+                                                     "hf_num_prompts", "num_scheduler_steps",
+                                                     "tensor_parallel_size")}}
     out_path = os.path.join(FLAGS.out_dir, "throughput.json")
 
     def save():
@@ -363,7 +366,8 @@ def main(argv):
               num_gpu_blocks_override=FLAGS.num_gpu_blocks_override,
               max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
               max_model_len=FLAGS.max_model_len, attention_backend=FLAGS.attention_backend,
-              seed=FLAGS.seed, tokenizer=None, num_scheduler_steps=FLAGS.num_scheduler_steps)
+              seed=FLAGS.seed, tokenizer=None, num_scheduler_steps=FLAGS.num_scheduler_steps,
+              tensor_parallel_size=FLAGS.tensor_parallel_size)
     jax.block_until_ready(llm.llm_engine.runner.params)
     result["setup_s"] = time.perf_counter() - t
     engine = llm.llm_engine

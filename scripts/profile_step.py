@@ -44,6 +44,20 @@ flags.DEFINE_list("kv_cache_dtypes", ["auto"], "one engine per KV dtype (auto, f
 flags.DEFINE_list("decode_bucket_mins", [], "also profile with the smallest decode batch bucket "
                   "set to each of these (the engine pads decode steps to a power of two, at least 8 rows on a GPU)")
 flags.DEFINE_string("out_dir", "", "where profile_step.json / .md go (default: print only)")
+flags.DEFINE_integer("tensor_parallel_size", 1, "devices the weights and KV heads are split over")
+
+# What a kernel's name says it does, for the split of a traced step (first match wins).
+KERNEL_KINDS = (("all-reduce", ("all-reduce", "allreduce", "nccl", "all_reduce")),
+                ("attention", ("paxkv_paged", "paxkv_ragged", "attention")),
+                ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "xmma", "wgmma", "sm90")))
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in lower for w in words):
+            return kind
+    return "other"
 
 
 def summarize_trace(trace_dir: str, steps: int) -> dict:
@@ -77,7 +91,11 @@ def summarize_trace(trace_dir: str, steps: int) -> dict:
             cur_b = max(cur_b, b)
     busy += cur_b - cur_a
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]
+    kinds: dict[str, float] = collections.defaultdict(float)
+    for name, d in by_name.items():   # per device: the trace holds every device's kernels
+        kinds[kernel_kind(name)] += sum(d) / 1e3 / steps / len(device_pids)
     return {"processes": sorted(pnames[p] for p in device_pids),
+            "ms_per_step_per_device_by_kind": dict(kinds),
             "kernels_per_step": len(kernels) / steps,
             "busy_ms_per_step": busy / 1e3 / steps,
             "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps,
@@ -130,10 +148,10 @@ def profile_batch(runner, b: int) -> dict:
     # Back to back: the same device inputs, no wait until the end.
     batch, decode_only = runner.pack(items)
     st, all_greedy, k = runner.pack_sampling(rows)
-    inputs, spec = _pack_inputs(batch, st)
+    inputs, spec = _pack_inputs(batch, st, runner.mesh)
     pool = runner.kv_pool
     kw = dict(spec=spec, cfg=cfg, backend=runner.backend, decode_only=decode_only,
-              all_greedy=all_greedy, num_logprobs=k)
+              all_greedy=all_greedy, num_logprobs=k, mesh=runner.mesh)
     prev = runner._last_tokens
     res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)
     jax.block_until_ready(res)
@@ -198,7 +216,7 @@ def main(argv):
     for kv_dtype in FLAGS.kv_cache_dtypes:
         llm = LLM(FLAGS.model, max_num_seqs=max(FLAGS.max_num_seqs, max(batches)),
                   max_model_len=FLAGS.max_model_len, attention_backend=FLAGS.attention_backend,
-                  tokenizer=None, kv_cache_dtype=kv_dtype,
+                  tokenizer=None, kv_cache_dtype=kv_dtype, tensor_parallel_size=FLAGS.tensor_parallel_size,
                   num_gpu_blocks_override=max(batches) * (FLAGS.context // 16 + 40) + FLAGS.max_model_len // 16 + 64)
         runner = llm.llm_engine.runner
         cfg = runner.cfg

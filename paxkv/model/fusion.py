@@ -12,6 +12,16 @@ Layout (per layer, replacing the separate kernels):
     mlp/gate_up_proj/kernel     [hidden, 2 * intermediate_size]
 The network in `layers.py` accepts either layout; checkpoint export (`weights.hf_tensors`)
 reads either.
+
+Tensor-parallel engines serve from the grouped layout (`group_projections`): the same fused
+kernels with a group axis in the middle, one group per KV head,
+    self_attn/qkv_proj/kernel   [hidden, num_kv_heads, (q_per_kv + 2) * head_dim]
+    mlp/gate_up_proj/kernel     [hidden, num_kv_heads, 2 * intermediate_size / num_kv_heads]
+where group g holds, in order, its slice of every projection (its q heads, its k and v
+head; its chunk of gate and of up columns). A plain column split of the 2-D fused kernel
+would hand a device some q columns and none of its k/v; splitting the group axis hands every
+device whole groups, so each one computes its own heads and its own chunk of the MLP, for
+any tensor-parallel size that divides `num_kv_heads`.
 """
 from __future__ import annotations
 
@@ -34,8 +44,13 @@ FUSED_PARTS = frozenset(p for _, parts in FUSED.values() for p in parts)
 
 
 def is_fused(params: Params) -> bool:
-    """Whether `params` is in the serving layout (layer 0 decides)."""
+    """Whether `params` is in a fused layout, 2-D or grouped (layer 0 decides)."""
     return "qkv_proj" in params.get("layers_0", {}).get("self_attn", {})
+
+
+def is_grouped(params: Params) -> bool:
+    """Whether `params` is in the grouped (tensor-parallel) layout."""
+    return is_fused(params) and params["layers_0"]["self_attn"]["qkv_proj"]["kernel"].ndim == 3
 
 
 def part_widths(cfg: ModelConfig, fused_name: str) -> tuple[int, ...]:
@@ -54,14 +69,21 @@ def fuse_projections(params: Params) -> Params:
     """
     if is_fused(params):
         return params
+    return with_fused_kernels(params, lambda layer, block, parts: _concat(
+        [layer[block][p]["kernel"] for p in parts]))
+
+
+def with_fused_kernels(params: Params, make: Any) -> Params:
+    """A new tree whose layers hold, per fused kernel, `make(layer, block, parts)` in place of
+    the separate kernels (and of any fused kernel already there)."""
     out = dict(params)
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
         layer = dict(layer)
         for fused_name, (block, parts) in FUSED.items():
-            sub = dict(layer[block])
-            sub[fused_name] = {"kernel": _concat([sub.pop(p)["kernel"] for p in parts])}
+            sub = {k: v for k, v in layer[block].items() if k not in parts and k != fused_name}
+            sub[fused_name] = {"kernel": make(layer, block, parts)}
             layer[block] = sub
         out[name] = layer
     return out
@@ -72,17 +94,48 @@ def _concat(kernels: list[jax.Array]) -> jax.Array:
     return jnp.concatenate(kernels, axis=1)
 
 
+def group_kernel(kernels: list[jax.Array], groups: int) -> jax.Array:
+    """Separate `[in, w_i]` kernels -> one grouped `[in, groups, sum(w_i) / groups]` kernel:
+    group g holds columns `[g * w_i / groups, (g + 1) * w_i / groups)` of every kernel i."""
+    parts = []
+    for k in kernels:
+        if k.shape[1] % groups:
+            raise ValueError(f"a kernel of width {k.shape[1]} does not split into {groups} groups")
+        parts.append(k.reshape(k.shape[0], groups, k.shape[1] // groups))
+    return jnp.concatenate(parts, axis=2)
+
+
+def group_projections(params: Params, cfg: ModelConfig) -> Params:
+    """Any layout -> the grouped layout (a new tree; other tensors are shared, not copied).
+
+    Outside jit this converts one fused kernel at a time (`paxkv.parallel.sharding` does it
+    under jit with the target shardings, so no device holds a whole kernel)."""
+    if is_grouped(params):
+        return params
+    return with_fused_kernels(params, lambda layer, block, parts: _group(
+        [projection(layer, block, p, cfg) for p in parts], cfg.num_kv_heads))
+
+
+_group = jax.jit(group_kernel, static_argnums=(1,))
+
+
 def projection(layer: Params, block: str, part: str, cfg: ModelConfig) -> jax.Array:
     """The `[in, out]` kernel of one separate projection (`block` "self_attn" or "mlp"),
-    from either layout; in the fused layout it is sliced out of the fused kernel."""
+    from any layout; in a fused layout it is sliced out of the fused kernel."""
     sub = layer[block]
     if part in sub:
         return sub[part]["kernel"]
     fused_name = next(f for f, (b, parts) in FUSED.items() if b == block and part in parts)
     i = FUSED[fused_name][1].index(part)
     widths = part_widths(cfg, fused_name)
+    kernel = sub[fused_name]["kernel"]
+    if kernel.ndim == 3:   # grouped: this part's slice of every group, groups in order
+        groups = kernel.shape[1]
+        per_group = [w // groups for w in widths]
+        start = sum(per_group[:i])
+        return kernel[:, :, start:start + per_group[i]].reshape(kernel.shape[0], widths[i])
     start = sum(widths[:i])
-    return sub[fused_name]["kernel"][:, start:start + widths[i]]
+    return kernel[:, start:start + widths[i]]
 
 
 def split_columns(x: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -92,3 +145,11 @@ def split_columns(x: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...
         out.append(x[..., start:start + w])
         start += w
     return tuple(out)
+
+
+def split_groups(y: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """A grouped projection's output `[..., groups, sum(widths) / groups]` -> the separate
+    outputs `[..., widths[i]]`, each in the column order of its own projection."""
+    groups = y.shape[-2]
+    parts = split_columns(y, tuple(w // groups for w in widths))
+    return tuple(p.reshape(*y.shape[:-2], w) for p, w in zip(parts, widths))

@@ -18,7 +18,8 @@ Parameter tree (the Linen "params" collection; names follow the HF checkpoint):
     layers_{i}/mlp/{gate,up,down}_proj/kernel    [in, out]
     norm/scale                          [hidden]
     lm_head/kernel                      [hidden, vocab]   (absent when embeddings are tied)
-The engine serves from the fused layout of `fusion.py` (qkv_proj, gate_up_proj); both run here.
+The engine serves from the fused layout of `fusion.py` (qkv_proj, gate_up_proj; grouped 3-D
+kernels under tensor parallelism); every layout runs here.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
-from paxkv.model.fusion import FUSED, part_widths, split_columns
+from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
 from paxkv.model.rope import apply_rope, cos_sin
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
@@ -67,6 +68,8 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
         kernel = module.get_variable("params", fused_name)["kernel"]
         y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
                                 (((x.ndim - 1,), (0,)), ((), ())))
+        if kernel.ndim == 3:   # the grouped (tensor-parallel) layout of fusion.py
+            return split_groups(y, widths)
         return split_columns(y, widths)
     return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 

@@ -46,23 +46,32 @@ def _check_batch(batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig) -> None:
 
 def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig, *,
             backend: str = "reference", decode_only: bool = False,
-            all_logits: bool = False) -> tuple[jax.Array, KVPool]:
+            all_logits: bool = False, mesh: Any = None) -> tuple[jax.Array, KVPool]:
     """One paged step -> (logits `[S, vocab]` float32 at `batch.logits_indices`, new pool).
 
     With `all_logits=True` the logits of every token are returned instead (`[T, vocab]`),
-    e.g. for perplexity.
+    e.g. for perplexity. `mesh` (static): the tensor-parallel mesh that `params` and
+    `kv_pool` are split over (`paxkv.parallel`); None runs on one device.
     """
     _check_batch(batch, kv_pool, cfg)
     scale = cfg.head_dim ** -0.5
 
-    def paged_attention(layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                        pool: KVPool) -> tuple[jax.Array, KVPool]:
+    def write_and_attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
+                         batch: StepBatch) -> tuple[jax.Array, KVPool]:
         pool = kv_pool_lib.write(pool, layer, k, v, batch.slot_mapping)
         k_scale = None if pool.k_scale is None else pool.k_scale[layer]
         v_scale = None if pool.v_scale is None else pool.v_scale[layer]
         out = attend(q, pool.k[layer], pool.v[layer], batch, scale=scale, backend=backend,
                      decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
         return out, pool
+
+    if mesh is None:
+        def paged_attention(layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                            pool: KVPool) -> tuple[jax.Array, KVPool]:
+            return write_and_attend(layer, q, k, v, pool, batch)
+    else:   # each device writes and attends over its own KV heads
+        from paxkv.parallel.attention import per_device
+        paged_attention = per_device(write_and_attend, batch, mesh)
 
     model = Llama(cfg, params_dtype(params))
     logits_at = None if all_logits else batch.logits_indices
@@ -77,7 +86,7 @@ def forward_all_logits(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: M
 
 
 # The engine's step: the pool is donated so XLA updates its pages in place.
-forward_jit = jax.jit(forward, static_argnames=("cfg", "backend", "decode_only", "all_logits"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "backend", "decode_only", "all_logits", "mesh"),
                       donate_argnames=("kv_pool",))
 
 

@@ -175,12 +175,26 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
-                    progress: bool | None = None) -> tuple[Params, ModelConfig]:
-    """Read an HF Llama checkpoint directory -> (params, ModelConfig).
+@dataclasses.dataclass
+class CheckpointIndex:
+    """A checked checkpoint directory: its config, every tensor's spec, file and header."""
 
-    `dtype`: "bfloat16" / "float32" / "float16" / "auto" (the checkpoint's) or a dtype.
-    `device`: a `jax.Device`, a `jax.sharding.Sharding`, or None for the default device.
+    cfg: ModelConfig
+    target: Any                                  # the dtype the parameters are cast to
+    specs: list[TensorSpec]
+    files: dict[str, str]                        # HF name -> safetensors path
+    headers: dict[str, tuple[dict[str, Any], int]]   # path -> (header, data start)
+
+    def info(self, hf_name: str) -> tuple[str, dict[str, Any], int]:
+        """(file, header entry, data start) of one tensor."""
+        fname = self.files[hf_name]
+        header, start = self.headers[fname]
+        return fname, header[hf_name], start
+
+
+def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> CheckpointIndex:
+    """Read config.json and every safetensors header; check names and shapes (no data read).
+
     Raises ValueError naming the tensor or config field on a missing tensor, a wrong shape,
     an unexpected tensor, or a non-Llama architecture.
     """
@@ -210,18 +224,11 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
         if spec.hf_name not in files:
             raise ValueError(f"checkpoint is missing tensor {spec.hf_name!r}")
 
-    put_device = device if isinstance(device, jax.Device) else None
-    sharding = device if isinstance(device, jax.sharding.Sharding) else None
-    if device is not None and put_device is None and sharding is None:
-        raise ValueError(f"device must be a jax.Device, a Sharding or None, got {device!r}")
-
     headers: dict[str, tuple[dict[str, Any], int]] = {}
-    by_file: dict[str, list[TensorSpec]] = {}
     for spec in specs:
         fname = files[spec.hf_name]
         if fname not in headers:
             headers[fname] = read_safetensors_header(fname)
-        by_file.setdefault(fname, []).append(spec)
     # Check every name and shape before reading any data: a bad checkpoint fails in ms.
     for spec in specs:
         header = headers[files[spec.hf_name]][0]
@@ -232,6 +239,28 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
         if shape != spec.hf_shape:
             raise ValueError(f"tensor {spec.hf_name!r} has shape {shape}, "
                              f"expected {spec.hf_shape} for this config.json")
+    return CheckpointIndex(cfg, target, specs, files, headers)
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
+                    progress: bool | None = None) -> tuple[Params, ModelConfig]:
+    """Read an HF Llama checkpoint directory -> (params, ModelConfig).
+
+    `dtype`: "bfloat16" / "float32" / "float16" / "auto" (the checkpoint's) or a dtype.
+    `device`: a `jax.Device`, a `jax.sharding.Sharding`, or None for the default device
+    (tensor-parallel loading, where no device holds a whole tensor, is
+    `paxkv.parallel.loading.load_checkpoint`). Raises ValueError as `open_checkpoint` does.
+    """
+    put_device = device if isinstance(device, jax.Device) else None
+    sharding = device if isinstance(device, jax.sharding.Sharding) else None
+    if device is not None and put_device is None and sharding is None:
+        raise ValueError(f"device must be a jax.Device, a Sharding or None, got {device!r}")
+    index = open_checkpoint(path, dtype)
+    cfg, target, specs, files, headers = (index.cfg, index.target, index.specs, index.files,
+                                          index.headers)
+    by_file: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        by_file.setdefault(files[spec.hf_name], []).append(spec)
     total_bytes = sum(math.prod(s.hf_shape) for s in specs) * target.itemsize
     if progress is None:
         progress = total_bytes > (1 << 30)

@@ -21,18 +21,19 @@ logger = logging.getLogger("paxkv")
 
 def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, block_size: int,
                              kv_dtype: Any, max_num_seqs: int, max_num_batched_tokens: int,
-                             max_model_len: int) -> int:
+                             max_model_len: int, mesh: Any = None) -> int:
     """Device bytes the largest step needs beyond weights and pool.
 
     Compiles one prefill step of `max_num_batched_tokens` tokens over a two-block pool and
     returns its scratch plus non-aliased outputs, from XLA's memory analysis. 0 where the
-    backend gives no analysis.
+    backend gives no analysis. Under tensor parallelism (`mesh`) the figure is one
+    device's: XLA partitions the program and analyses the per-device one.
     """
     from paxkv.runner.runner import Runner
     runner = Runner(cfg, params, num_blocks=2, block_size=block_size, kv_dtype=kv_dtype,
                     backend=backend, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                    fixed_shapes=True)
+                    fixed_shapes=True, mesh=mesh)
     tokens = min(max_num_batched_tokens, max_model_len - 1)
     item = WorkItem([0] * tokens, 0, [0] * math.ceil(tokens / block_size))
     try:
@@ -42,8 +43,9 @@ def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, blo
 
 
 def device_memory_stats() -> dict[str, int]:
-    """The allocator's figures for the first device; empty where it keeps none (CPU)."""
-    return jax.devices()[0].memory_stats() or {}
+    """The allocator's figures for this process's first device (under tensor parallelism
+    every device holds the same share); empty where it keeps none (CPU)."""
+    return jax.local_devices()[0].memory_stats() or {}
 
 
 def num_kv_blocks(cache: CacheConfig, params: Any, bytes_per_block: float,

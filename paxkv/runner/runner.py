@@ -47,7 +47,8 @@ def _pad_rows(tokens: jax.Array, num_rows: int) -> jax.Array:
 
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
              spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
-             all_greedy: bool, num_logprobs: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+             all_greedy: bool, num_logprobs: int,
+             mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
     tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`).
 
@@ -57,19 +58,20 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
     from paxkv.model.llama import forward
     batch, st = _unpack_inputs(inputs, spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
-    logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only)
+    logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
+                              mesh=mesh)
     result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs)
     return (transfer.pack_device(tuple(result)), _pad_rows(result.tokens, prev_tokens.shape[0]),
             kv_pool)
 
 
 _jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
-                                               "num_logprobs"), donate_argnums=(1,))
+                                               "num_logprobs", "mesh"), donate_argnums=(1,))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
                      spec: transfer.Spec, cfg: ModelConfig, backend: str, all_greedy: bool,
-                     num_steps: int) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+                     num_steps: int, mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
     Row i of the batch is sequence i (one token each) and sampling row i samples it. Padding
@@ -90,7 +92,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         slots = jnp.where(valid, slots, rows % block_size)
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
-        logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True)
+        logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True, mesh=mesh)
         res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
@@ -105,7 +107,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
 
 
 _jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "all_greedy",
-                                                               "num_steps"), donate_argnums=(1,))
+                                                               "num_steps", "mesh"), donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -117,9 +119,14 @@ _gather_blocks = jax.jit(kvp.gather_blocks)          # pages and (quantized pool
 _scatter_blocks = jax.jit(kvp.scatter_blocks, donate_argnums=(0,))
 
 
-def _pack_inputs(batch: StepBatch, st: SamplingTensors) -> tuple[jax.Array, transfer.Spec]:
-    """A step's host arrays -> one device buffer (one transfer) and its static spec."""
+def _pack_inputs(batch: StepBatch, st: SamplingTensors,
+                 mesh: Any = None) -> tuple[jax.Array, transfer.Spec]:
+    """A step's host arrays -> one device buffer (one transfer; under tensor parallelism the
+    same buffer to every device) and its static spec."""
     buf, spec = transfer.pack_host(tuple(batch) + tuple(st))
+    if mesh is not None:
+        from paxkv.parallel.sharding import put_replicated
+        return put_replicated(buf, mesh), spec
     return jax.device_put(buf), spec
 
 
@@ -129,15 +136,24 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params: Any, *, num_blocks: int, block_size: int,
                  kv_dtype: Any, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, num_host_blocks: int = 0, min_seq_bucket: int = 4,
-                 min_token_bucket: int = 16, fixed_shapes: bool = False) -> None:
+                 min_token_bucket: int = 16, fixed_shapes: bool = False, mesh: Any = None) -> None:
         """`fixed_shapes` (GPU): block tables always `max_model_len` wide and prefill/mixed
         steps always `max_num_seqs` rows, so a whole run compiles a handful of programs; the
-        Pallas kernels loop over real lengths, so the padding costs them nothing."""
+        Pallas kernels loop over real lengths, so the padding costs them nothing.
+
+        `mesh` (tensor parallelism, `paxkv.parallel`): `params` are split over it and the
+        pool is split by KV heads; the host swap pool holds this process's heads. None (one
+        device) runs the single-device code below and nothing of `paxkv.parallel`."""
         self.cfg = cfg
         self.params = params
         self.block_size = block_size
         self.backend = backend
-        self.kv_pool = kvp.init_pool(cfg, num_blocks, block_size, kv_dtype)
+        self.mesh = mesh
+        if mesh is None:
+            self.kv_pool = kvp.init_pool(cfg, num_blocks, block_size, kv_dtype)
+        else:
+            from paxkv.parallel import sharding
+            self.kv_pool = sharding.init_pool(cfg, num_blocks, block_size, kv_dtype, mesh)
         max_blocks = math.ceil(max_model_len / block_size)
         self.token_buckets = pow2_buckets(min_token_bucket, max(min_token_bucket, max_num_batched_tokens))
         self.seq_buckets = pow2_buckets(min_seq_bucket, max(min_seq_bucket, max_num_seqs))
@@ -145,26 +161,42 @@ class Runner:
         self.fixed_shapes = fixed_shapes
         self.row_buckets = pow2_buckets(4, max(4, max_num_seqs * 4))
         self.copy_buckets = pow2_buckets(4, max(4, num_blocks))
-        # Host swap pool: the device pool's layout (scales included) in numpy, num_host_blocks deep.
+        # Host swap pool: the device pool's layout (scales included) in numpy, num_host_blocks
+        # deep (under tensor parallelism: this process's heads of it).
         self.host_pool: kvp.KVPool | None = jax.tree.map(
-            lambda x: np.zeros((num_host_blocks,) + x.shape[1:], x.dtype),
+            lambda x: np.zeros((num_host_blocks,) + self._local_shape(x)[1:], x.dtype),
             self.kv_pool) if num_host_blocks else None
         # The last step's sampled tokens, kept on the device for the next step's placeholders.
-        self._last_tokens = jnp.zeros((self.row_buckets[-1],), jnp.int32)
+        self._last_tokens = self._ids(np.zeros((self.row_buckets[-1],), np.int32))
         self.compiled_keys: set[tuple] = set()
         self.num_compilations = 0
         self.compile_time_s = 0.0
 
     # ---- block movement (copy-on-write, swap) -------------------------------------------
+    def _local_shape(self, x: jax.Array) -> tuple[int, ...]:
+        if self.mesh is None:
+            return x.shape
+        from paxkv.parallel.sharding import HEADS_AXIS, local_heads
+        heads = local_heads(x.sharding, x.shape)
+        return x.shape[:HEADS_AXIS] + (heads.stop - heads.start,) + x.shape[HEADS_AXIS + 1:]
+
+    def _ids(self, ids: np.ndarray) -> jax.Array:
+        """Host ints for a jitted call (under tensor parallelism: on every device)."""
+        if self.mesh is None:
+            return jnp.asarray(ids)
+        from paxkv.parallel.sharding import put_replicated
+        return put_replicated(ids, self.mesh)
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: all of a step's block copies in one jitted gather/scatter."""
+        """Copy-on-write: all of a step's block copies in one jitted gather/scatter (each
+        device copies its own heads of the blocks)."""
         if not pairs:
             return
         n = pick_bucket(len(pairs), self.copy_buckets)
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
-        self.kv_pool = _copy_blocks(self.kv_pool, jnp.asarray(src), jnp.asarray(dst))
+        self.kv_pool = _copy_blocks(self.kv_pool, self._ids(src), self._ids(dst))
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device blocks -> host pool (preemption by swapping)."""
@@ -174,7 +206,10 @@ class Runner:
         n = len(dev)
         padded = np.zeros(pick_bucket(n, self.copy_buckets), np.int32)  # pad: the null block
         padded[:n] = dev
-        blocks = _gather_blocks(self.kv_pool, jnp.asarray(padded))
+        blocks = _gather_blocks(self.kv_pool, self._ids(padded))
+        if self.mesh is not None:
+            from paxkv.parallel.sharding import to_host_local
+            blocks = jax.tree.map(to_host_local, blocks)
         for h, d in zip(jax.tree.leaves(self.host_pool), jax.tree.leaves(blocks)):
             h[host] = np.asarray(d)[:n]
 
@@ -189,8 +224,13 @@ class Runner:
         host_p[:n] = host
         dev_p = np.zeros(size, np.int32)           # padding rows land in the null block
         dev_p[:n] = dev
-        blocks = jax.tree.map(lambda h: jnp.asarray(h[host_p]), self.host_pool)
-        self.kv_pool = _scatter_blocks(self.kv_pool, jnp.asarray(dev_p), blocks)
+        if self.mesh is None:
+            blocks = jax.tree.map(lambda h: jnp.asarray(h[host_p]), self.host_pool)
+        else:
+            from paxkv.parallel.sharding import from_host_local
+            blocks = jax.tree.map(lambda h, x: from_host_local(h[host_p], x.sharding, (size,) + x.shape[1:]),
+                                  self.host_pool, self.kv_pool)
+        self.kv_pool = _scatter_blocks(self.kv_pool, self._ids(dev_p), blocks)
 
     # ---- the step -----------------------------------------------------------------------
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
@@ -291,10 +331,10 @@ class Runner:
         pack_s = time.perf_counter() - t0
         key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
         new = key not in self.compiled_keys
-        inputs, spec = _pack_inputs(batch, st)
+        inputs, spec = _pack_inputs(batch, st, self.mesh)
         out, self._last_tokens, self.kv_pool = _jit_multi_decode(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, all_greedy=all_greedy, num_steps=num_steps)
+            backend=self.backend, all_greedy=all_greedy, num_steps=num_steps, mesh=self.mesh)
         shape = (num_steps, num_seqs)
         return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
                                             new, t0, time.perf_counter(), pack_s, multi=True))
@@ -309,10 +349,11 @@ class Runner:
         key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
                st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
         new = key not in self.compiled_keys
-        inputs, spec = _pack_inputs(batch, st)
+        inputs, spec = _pack_inputs(batch, st, self.mesh)
         out, self._last_tokens, self.kv_pool = _jit_step(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k)
+            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k,
+            mesh=self.mesh)
         r = st.seeds.shape[0]
         out_spec = (((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))
         return self._dispatched(PendingStep(out, out_spec, len(rows), k, key, new, t0,
@@ -340,11 +381,11 @@ class Runner:
         the compiled program (so it does not depend on what else the process allocated)."""
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
-        inputs, spec = _pack_inputs(batch, st)
+        inputs, spec = _pack_inputs(batch, st, self.mesh)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
             backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
-            num_logprobs=k).compile()
+            num_logprobs=k, mesh=self.mesh).compile()
         mem = compiled.memory_analysis()
         if mem is None:
             return 0

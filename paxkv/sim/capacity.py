@@ -9,6 +9,11 @@ device and model, so experiments can show where the memory goes.
 Worked example (Llama-3-8B, bf16 weights, an RTX 4090's 24,564 MiB, whole device, no
 reserve): 8.03e9 params x 2 B = 14.96 GiB of weights, 9.03 GiB left, 128 KiB per token in
 bf16: 73,979 tokens (72.2 Ki); an 8-bit KV cache holds twice that.
+
+Under tensor parallelism (`tensor_parallel_size` devices of `gpu_bytes` each) every device
+holds 1/N of every split weight (all but the norms) and 1/N of every token's KV (its heads),
+so the plan is one device's: its weights, its reserve, its share of the pool; a token slot
+of the pool spans all N devices, and `tokens` counts those.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class CapacityPlan:
     block_bytes: float
     tokens: int
     blocks: int
+    tensor_parallel_size: int = 1   # the figures above are per device; tokens span them all
 
     @property
     def usable_tokens(self) -> int:
@@ -55,8 +61,9 @@ class CapacityPlan:
 def plan_capacity(gpu_bytes: int, cfg: ModelConfig, weight_dtype_bytes: float,
                   kv_dtype_bytes: float, block_size: int, gpu_memory_utilization: float = 1.0,
                   activation_reserve_bytes: int = 0, *, num_params: int | None = None,
-                  kv_scale_bytes_per_token: float = 0.0) -> CapacityPlan:
-    """Plan the KV pool of `cfg` on a device of `gpu_bytes`.
+                  kv_scale_bytes_per_token: float = 0.0,
+                  tensor_parallel_size: int = 1) -> CapacityPlan:
+    """Plan the KV pool of `cfg` on a device of `gpu_bytes` (one of `tensor_parallel_size`).
 
     `num_params` overrides `cfg.num_params()` (for non-Llama shapes, e.g. the paper's OPT).
     `kv_scale_bytes_per_token` adds the per-token scales a quantized pool stores.
@@ -79,13 +86,21 @@ def plan_capacity(gpu_bytes: int, cfg: ModelConfig, weight_dtype_bytes: float,
         raise ValueError(f"num_params must be positive, got {num_params}")
     if kv_scale_bytes_per_token < 0:
         raise ValueError(f"kv_scale_bytes_per_token must be >= 0, got {kv_scale_bytes_per_token}")
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1 or cfg.num_kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size must be a positive divisor of num_kv_heads "
+                         f"({cfg.num_kv_heads}), got {tp!r}")
     params = cfg.num_params() if num_params is None else num_params
+    if tp > 1:   # norms are replicated, every other weight is split
+        norms = (2 * cfg.num_layers + 1) * cfg.hidden_size if num_params is None else 0
+        params = (params - norms) / tp + norms
     weights = int(math.ceil(params * weight_dtype_bytes))
     budget = int(gpu_bytes * gpu_memory_utilization)
     kv = max(0, budget - weights - activation_reserve_bytes)
-    per_token = cfg.kv_bytes_per_token(kv_dtype_bytes) + kv_scale_bytes_per_token
+    per_token = (cfg.kv_bytes_per_token(kv_dtype_bytes) + kv_scale_bytes_per_token) / tp
     block = block_size * per_token
     return CapacityPlan(gpu_bytes=int(gpu_bytes), budget_bytes=budget, weights_bytes=weights,
                         activation_reserve_bytes=int(activation_reserve_bytes), kv_bytes=kv,
                         kv_bytes_per_token=per_token, block_size=block_size, block_bytes=block,
-                        tokens=int(kv // per_token), blocks=int(kv // block))
+                        tokens=int(kv // per_token), blocks=int(kv // block),
+                        tensor_parallel_size=tp)
