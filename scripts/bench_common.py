@@ -86,6 +86,11 @@ def time_call(fn: Callable, args: tuple, reps: int = 7, target_s: float = 0.03,
     return statistics.median(samples)
 
 
+def decode_backend(args: argparse.Namespace) -> str:
+    """The `backend=` for paged_attention from `--backend` ("all" -> "auto")."""
+    return "auto" if args.backend == "all" else args.backend
+
+
 def rel_err(out, ref) -> float:
     """Relative L2 error of `out` against `ref`, in float32."""
     out = jnp.asarray(out, jnp.float32)
@@ -190,6 +195,9 @@ def parse_args(doc: str, budget_s: float, quick_help: str, sections: str) -> arg
     parser.add_argument("--budget", type=float, default=budget_s, help="seconds for the whole run")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--skip", default="", help=f"comma list of sections to skip: {sections}")
+    parser.add_argument("--backend", default="auto", choices=("triton", "mosaic", "auto", "all"),
+                        help="paxkv decode kernel backend (Mosaic GPU needs a Hopper GPU); "
+                        "bench_decode_backends.py runs both unless one is named")
     parser.add_argument("--shapes", default="", help="comma list of decode shape indices to run "
                         "(0-4, the reference figures' order; default all)")
     return parser.parse_args()
@@ -197,9 +205,10 @@ def parse_args(doc: str, budget_s: float, quick_help: str, sections: str) -> arg
 
 def run_sections(args: argparse.Namespace,
                  sections: list[tuple[str, Callable[[argparse.Namespace, Clock, dict], None]]],
-                 write_report: Callable[[argparse.Namespace, dict], str]) -> None:
+                 write_report: Callable[[argparse.Namespace, dict], str]) -> dict:
     """Measures the copy bandwidth, then runs each section not in `--skip` within the time
-    budget (a failing section is logged, not fatal), then writes and prints the report."""
+    budget (a failing section is logged, not fatal), then writes and prints the report;
+    returns the results."""
     clock = Clock(args.budget)
     dev = jax.devices()[0]
     results = {"jax": jax.__version__, "device": getattr(dev, "device_kind", str(dev)),
@@ -217,6 +226,7 @@ def run_sections(args: argparse.Namespace,
     text = write_report(args, results)
     log("\n" + text)
     log(f"total {time.perf_counter() - clock.start:.0f} s")
+    return results
 
 
 def save_report(out_dir: str | None, stem: str, text: str, results: dict) -> None:

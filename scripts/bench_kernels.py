@@ -14,6 +14,9 @@ median over repeats of N back-to-back calls (async dispatch), after compile and 
 
     PYTHONPATH=. python3 scripts/bench_kernels.py --out results/bench
     PYTHONPATH=. python3 scripts/bench_kernels.py --smoke      # tiny shapes, CPU interpret
+
+`--backend triton|mosaic` times that decode kernel (default "auto", the engine's choice);
+scripts/bench_decode_backends.py puts the backends side by side.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
+    decode_backend,
     check_and_time,
     HEAD_DIM,
     KV_HEADS,
@@ -98,7 +102,8 @@ def decode_section(args, clock, results):
 
         def run_paxkv(tab, tuning, layout="blocks_first", kk=k, vv=v):
             fn = jax.jit(functools.partial(paged_attention, pages_layout=layout,
-                                           interpret=interpret, **tuning))
+                                           backend=decode_backend(args), interpret=interpret,
+                                           **tuning))
             t, err, _ = check_and_time(fn, (q, kk, vv, tab, lens), ref, args.smoke)
             return t, err
 
@@ -138,7 +143,8 @@ def decode_section(args, clock, results):
             try:                                 # contiguous cache: the cost of paging
                 t, err = run_paxkv(contig, best[1])
                 ref_c = paged_attention_reference(q, k, v, contig, lens)
-                fn = jax.jit(functools.partial(paged_attention, interpret=interpret, **best[1]))
+                fn = jax.jit(functools.partial(paged_attention, backend=decode_backend(args),
+                                               interpret=interpret, **best[1]))
                 err = rel_err(fn(q, k, v, contig, lens), ref_c)
                 row["contiguous_us"] = t * 1e6
                 row["contiguous_err"] = err

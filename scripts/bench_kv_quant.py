@@ -24,6 +24,8 @@ call's output is the next call's query), after compile and warm-up (scripts/benc
 
     PYTHONPATH=. python3 scripts/bench_kv_quant.py --out results/bench_kv_quant
     PYTHONPATH=. python3 scripts/bench_kv_quant.py --smoke      # tiny shapes, CPU interpret
+
+`--backend triton|mosaic` picks the decode kernel (default "auto": Triton for 8-bit pages).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from pallas_kernels.paged_attention import paging  # noqa: E402
 from paxkv.cache import quant  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     BLOCK,
+    decode_backend,
     check_and_time,
     HEAD_DIM,
     KV_HEADS,
@@ -167,7 +170,8 @@ def decode_section(args, clock, results):
                 if clock.left() < 30:
                     break
                 try:
-                    fn = jax.jit(functools.partial(paged_attention, interpret=args.smoke, **tuning))
+                    fn = jax.jit(functools.partial(paged_attention, backend=decode_backend(args),
+                                                   interpret=args.smoke, **tuning))
                     t, err, out = check_and_time(fn, (q, kk, vv, tables, lens, ks, vs), ref, args.smoke)
                     qerr = rel_err(out, ref_bf16)
                 except Exception as e:

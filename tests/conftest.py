@@ -1,7 +1,22 @@
-"""Test-wide settings: CPU only (Pallas kernels run in interpret mode), deterministic."""
+"""Test-wide settings, deterministic.
+
+By default the tests run on the CPU and the Pallas kernels in interpret mode. With
+`PAXKV_TEST_DEVICE=gpu` JAX keeps its GPU, the `interpret` fixture turns False and the same
+kernel tests assert the compiled kernels against their jnp references:
+
+    PAXKV_TEST_DEVICE=gpu python3 -m pytest tests -k kernel
+"""
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+TEST_DEVICE = os.environ.get("PAXKV_TEST_DEVICE", "cpu").lower()
+if TEST_DEVICE not in ("cpu", "gpu"):
+    raise ValueError(f"PAXKV_TEST_DEVICE must be 'cpu' or 'gpu', got {TEST_DEVICE!r}")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cuda")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Eight host-platform devices, for the tensor-parallel tests to run in this process (one set
@@ -10,3 +25,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
+if TEST_DEVICE == "gpu":
+    import jax
+
+    # The jnp references are the truth: exact float32 products on the GPU too, rather than
+    # the TF32 that XLA would otherwise pick for float32 dots.
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU (only when asked for with PAXKV_TEST_DEVICE=gpu)."""
+    import jax
+    return jax.default_backend() == "gpu"
+
+
+@pytest.fixture(scope="session")
+def interpret(on_gpu) -> bool:
+    """Pallas interpret mode off the GPU; compiled kernels on it."""
+    return not on_gpu

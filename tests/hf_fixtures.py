@@ -11,6 +11,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
+NO_TORCH = ("torch is not installed: it runs the transformers reference checkpoints, and the "
+            "test extra pins its CPU wheel for Python 3.11 only")
+
+
+def import_torch():
+    """torch, or skip the calling test (see NO_TORCH)."""
+    return pytest.importorskip("torch", reason=NO_TORCH)
+
 BASE_CONFIG: dict[str, Any] = dict(
     vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=1, rope_theta=10000.0,
@@ -34,7 +44,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 def make_hf_llama(seed: int = 0, init_std: float = 0.1, **overrides: Any):
     """A random transformers LlamaForCausalLM (float32, eval mode)."""
-    import torch
+    torch = import_torch()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kwargs = {**BASE_CONFIG, "initializer_range": init_std}
@@ -63,7 +73,7 @@ def make_hf_checkpoint(path: str | os.PathLike, seed: int = 0, init_std: float =
 
 def load_hf_model(path: str | os.PathLike):
     """transformers' own load of a checkpoint directory, float32, eval mode."""
-    import torch
+    torch = import_torch()
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32).eval()
@@ -71,7 +81,7 @@ def load_hf_model(path: str | os.PathLike):
 
 def hf_logits(model, token_ids: list[int]):
     """Float32 numpy logits `[len, vocab]` of one unpadded prompt."""
-    import torch
+    torch = import_torch()
 
     with torch.no_grad():
         out = model(torch.tensor([token_ids], dtype=torch.long))
@@ -80,7 +90,7 @@ def hf_logits(model, token_ids: list[int]):
 
 def hf_greedy(model, token_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' generate(do_sample=False), never stopping early; new tokens only."""
-    import torch
+    torch = import_torch()
 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

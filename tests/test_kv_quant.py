@@ -239,16 +239,16 @@ def test_attention_error_ranks_by_format():
     assert errs["int8"] < errs["fp8"] < errs["fp8_e5m2"] < 0.1
 
 
-# ---- Pallas kernels (interpret mode) over quantized pages ---------------------------------------
+# ---- Pallas kernels (interpreted on CPU, compiled on a GPU) over quantized pages --------------
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_decode_kernel_quantized_pages(name, q_dtype):
+def test_pallas_decode_kernel_quantized_pages(name, q_dtype, interpret):
     from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
     q, pool, _, batch = ragged_case(20, name, q_lens=(1, 1, 1, 1), ctx=(37, 1, 24, 15))
     q = q.astype(q_dtype)
     args = (q, pool.k[0], pool.v[0], batch.block_tables, batch.context_lens, pool.k_scale[0],
             pool.v_scale[0])
-    out = paged_attention(*args, num_splits=2, pages_per_compute_block=2, interpret=True)
+    out = paged_attention(*args, num_splits=2, pages_per_compute_block=2, interpret=interpret)
     tol = 1e-5 if q_dtype == jnp.float32 else 1e-2     # bf16: probabilities rounded for the PV dot
     assert rel(out, paged_attention_reference(*args)) < tol
     model_ref = reference_attention(q, *args[1:3], batch, HEAD_DIM ** -0.5, *args[5:])
@@ -256,7 +256,7 @@ def test_pallas_decode_kernel_quantized_pages(name, q_dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_pallas_ragged_kernel_quantized_pages(name):
+def test_pallas_ragged_kernel_quantized_pages(name, interpret):
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                        ragged_paged_attention_reference)
     q, pool, _, batch = ragged_case(21, name)
@@ -264,7 +264,7 @@ def test_pallas_ragged_kernel_quantized_pages(name):
     q = jnp.concatenate([q, pad])
     args = (q, pool.k[0], pool.v[0], batch.block_tables, batch.context_lens, batch.cu_q_lens,
             pool.k_scale[0], pool.v_scale[0])
-    out = ragged_paged_attention(*args, block_q=4, pages_per_compute_block=2, interpret=True)
+    out = ragged_paged_attention(*args, block_q=4, pages_per_compute_block=2, interpret=interpret)
     ref = ragged_paged_attention_reference(*args)
     n = int(batch.cu_q_lens[-1])
     assert rel(out[:n], ref[:n]) < 1e-5

@@ -1,6 +1,7 @@
-"""Decode paged-attention kernel (Pallas interpret mode) vs its jnp reference and paxkv's
-reference_attention, on fresh random inputs: permuted block tables, lengths ending mid-block,
-length 1, padding rows (length 0), GQA 1/4/8, block sizes 8/16/32, fp32 and bf16, split-K."""
+"""Decode paged-attention kernel (interpret mode on CPU, compiled on a GPU) vs its jnp
+reference and paxkv's reference_attention, on fresh random inputs: permuted block tables,
+lengths ending mid-block, length 1, padding rows (length 0), GQA 1/4/8, block sizes 8/16/32,
+fp32 and bf16, split-K."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,13 +66,13 @@ CASES = [
 
 @pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
 def test_decode_matches_references(q_heads, kv_heads, block_size, max_blocks, lens, dtype,
-                                   splits, ppcb):
+                                   splits, ppcb, interpret):
     seed = q_heads * 1000 + block_size * 10 + splits + (dtype == jnp.bfloat16)
     q, k, v, tables, lens_ = make_case(seed, batch=len(lens), q_heads=q_heads, kv_heads=kv_heads,
                                        block_size=block_size, max_blocks=max_blocks, lens=lens,
                                        dtype=dtype)
     out = paged_attention(q, k, v, tables, lens_, num_splits=splits,
-                          pages_per_compute_block=ppcb, interpret=True)
+                          pages_per_compute_block=ppcb, interpret=interpret)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert bool(jnp.isfinite(out).all())
     real = np.asarray(lens) > 0
@@ -82,16 +83,16 @@ def test_decode_matches_references(q_heads, kv_heads, block_size, max_blocks, le
     assert rel_err(out[real], model_ref[real]) < TOL[dtype]
 
 
-def test_heads_first_layout_and_default_tuning():
+def test_heads_first_layout_and_default_tuning(interpret):
     q, k, v, tables, lens = make_case(7, batch=3, q_heads=8, kv_heads=2, block_size=16,
                                       max_blocks=4, lens=[50, 3, 64], dtype=jnp.float32,
                                       layout="heads_first")
-    out = paged_attention(q, k, v, tables, lens, pages_layout="heads_first", interpret=True)
+    out = paged_attention(q, k, v, tables, lens, pages_layout="heads_first", interpret=interpret)
     ref = paged_attention_reference(q, k, v, tables, lens, pages_layout="heads_first")
     assert rel_err(out, ref) < 1e-5
 
 
-def test_quantized_fp8_pages_with_scales():
+def test_quantized_fp8_pages_with_scales(interpret):
     q, k, v, tables, lens = make_case(11, batch=2, q_heads=8, kv_heads=2, block_size=8,
                                       max_blocks=5, lens=[39, 12], dtype=jnp.float32)
     rng = np.random.default_rng(3)
@@ -99,7 +100,7 @@ def test_quantized_fp8_pages_with_scales():
     vs = jnp.asarray(rng.uniform(0.5, 2.0, v.shape[:3]), jnp.float32)
     k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
     out = paged_attention(q, k8, v8, tables, lens, ks, vs, num_splits=2,
-                          pages_per_compute_block=2, interpret=True)
+                          pages_per_compute_block=2, interpret=interpret)
     ref = paged_attention_reference(q, k8, v8, tables, lens, ks, vs)
     assert rel_err(out, ref) < 1e-5
     batch = decode_step_batch(tables, lens)
@@ -107,7 +108,7 @@ def test_quantized_fp8_pages_with_scales():
     assert rel_err(out, model_ref) < 1e-5
 
 
-def test_poisoned_pages_past_length_do_not_leak():
+def test_poisoned_pages_past_length_do_not_leak(interpret):
     """NaN in the tail of the last page and in unused table entries must not reach outputs."""
     q, k, v, tables, lens = make_case(5, batch=2, q_heads=8, kv_heads=2, block_size=8,
                                       max_blocks=3, lens=[13, 20], dtype=jnp.float32)
@@ -116,12 +117,12 @@ def test_poisoned_pages_past_length_do_not_leak():
     k = k.at[last_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
     v = v.at[last_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
     out = paged_attention(q, k, v, tables, lens, num_splits=2, pages_per_compute_block=2,
-                          interpret=True)
+                          interpret=interpret)
     assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
-def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt):
+def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt, interpret):
     """fp8 has NaN codes (and e5m2 inf): bytes past a sequence's length or in the null block
     must not reach outputs, also on the unmasked fast path of full compute blocks."""
     from paxkv.cache import quant
@@ -136,9 +137,27 @@ def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt):
     k = k.at[last_page, 5:].set(nan).at[0].set(nan)
     v = v.at[last_page, 5:].set(nan).at[0].set(nan)
     out = paged_attention(q, k, v, tables, lens, k_scale, v_scale, num_splits=1,
-                          pages_per_compute_block=2, interpret=True)
+                          pages_per_compute_block=2, interpret=interpret)
     assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dot_dtype", ["bfloat16", "float16"])
+def test_8bit_pages_with_either_dot_dtype(fmt, dot_dtype, interpret):
+    """8-bit codes are exact in both dot dtypes; the query (softmax scale folded in) and the
+    scaled probabilities are rounded to it. Against the reference on the same codes."""
+    from paxkv.cache import quant
+    q, k, v, tables, lens = make_case(21, batch=3, q_heads=8, kv_heads=2, block_size=8,
+                                      max_blocks=6, lens=[45, 1, 33], dtype=jnp.float32)
+    q = q.astype(jnp.bfloat16)
+    k, k_scale = quant.quantize(k, quant.storage_dtype(fmt))
+    v, v_scale = quant.quantize(v, quant.storage_dtype(fmt))
+    ref = paged_attention_reference(q, k, v, tables, lens, k_scale, v_scale)
+    out = paged_attention(q, k, v, tables, lens, k_scale, v_scale, num_splits=2,
+                          pages_per_compute_block=2, dot_dtype=dot_dtype, interpret=interpret)
+    assert out.dtype == q.dtype
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
 
 
 def test_choose_num_splits():
@@ -157,14 +176,14 @@ def test_choose_num_splits():
     ("head_dim", dict(q=jnp.zeros((2, 8, 16)))),
     ("pages_per_compute_block", dict(ppcb=3)),
 ])
-def test_bad_input_names_field(field, kwargs):
+def test_bad_input_names_field(field, kwargs, interpret):
     q, k, v, tables, lens = make_case(0, batch=2, q_heads=8, kv_heads=2, block_size=8,
                                       max_blocks=4, lens=[5, 9], dtype=jnp.float32)
     args = dict(q=q, tables=tables, lens=lens, ppcb=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=field):
         paged_attention(args["q"], k, v, args["tables"], args["lens"],
-                        pages_per_compute_block=args["ppcb"], interpret=True)
+                        pages_per_compute_block=args["ppcb"], interpret=interpret)
 
 
 def test_pipeline_stages_fit_shared_memory():

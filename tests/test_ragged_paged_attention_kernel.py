@@ -1,7 +1,7 @@
-"""Ragged paged-attention kernel (Pallas interpret mode) vs its jnp reference and paxkv's
-reference_attention: prompts, chunks over cached context, decode rows and padding in one
-batch; permuted block tables, lengths ending mid-block, GQA 1/4/8, block sizes 8/16/32,
-fp32 and bf16."""
+"""Ragged paged-attention kernel (interpret mode on CPU, compiled on a GPU) vs its jnp
+reference and paxkv's reference_attention: prompts, chunks over cached context, decode rows
+and padding in one batch; permuted block tables, lengths ending mid-block, GQA 1/4/8, block
+sizes 8/16/32, fp32 and bf16."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,14 +61,14 @@ CASES = [
 @pytest.mark.parametrize(
     "q_lens,ctx_lens,q_heads,kv_heads,block_size,pad_tokens,dtype,block_q,ppcb", CASES)
 def test_ragged_matches_references(q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens,
-                                   dtype, block_q, ppcb):
+                                   dtype, block_q, ppcb, interpret):
     seed = sum(q_lens) * 100 + q_heads + block_size
     q, k, v, batch, real = make_case(seed, q_lens=q_lens, ctx_lens=ctx_lens, q_heads=q_heads,
                                      kv_heads=kv_heads, block_size=block_size,
                                      pad_tokens=pad_tokens, dtype=dtype)
     out = ragged_paged_attention(q, k, v, batch.block_tables, batch.context_lens,
                                  batch.cu_q_lens, block_q=block_q,
-                                 pages_per_compute_block=ppcb, interpret=True)
+                                 pages_per_compute_block=ppcb, interpret=interpret)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert bool(jnp.isfinite(out).all())
     np.testing.assert_array_equal(np.asarray(out[real:], np.float32), 0.0)  # padding tokens
@@ -79,7 +79,7 @@ def test_ragged_matches_references(q_lens, ctx_lens, q_heads, kv_heads, block_si
     assert rel_err(out[:real], model_ref[:real]) < TOL[dtype]
 
 
-def test_default_tuning_and_quantized_int8_pages():
+def test_default_tuning_and_quantized_int8_pages(interpret):
     q, k, v, batch, real = make_case(4, q_lens=[6, 1, 19], ctx_lens=[6, 33, 41], q_heads=8,
                                      kv_heads=2, block_size=8, pad_tokens=2,
                                      dtype=jnp.float32)
@@ -89,12 +89,12 @@ def test_default_tuning_and_quantized_int8_pages():
     ks = jnp.asarray(rng.uniform(0.001, 0.02, k.shape[:3]), jnp.float32)
     vs = jnp.asarray(rng.uniform(0.001, 0.02, v.shape[:3]), jnp.float32)
     out = ragged_paged_attention(q, k8, v8, batch.block_tables, batch.context_lens,
-                                 batch.cu_q_lens, ks, vs, interpret=True)
+                                 batch.cu_q_lens, ks, vs, interpret=interpret)
     model_ref = reference_attention(q, k8, v8, batch, HEAD_DIM ** -0.5, ks, vs)
     assert rel_err(out[:real], model_ref[:real]) < 1e-5
 
 
-def test_poisoned_pages_past_context_do_not_leak():
+def test_poisoned_pages_past_context_do_not_leak(interpret):
     q, k, v, batch, real = make_case(6, q_lens=[5, 9], ctx_lens=[13, 9], q_heads=8, kv_heads=2,
                                      block_size=8, pad_tokens=0, dtype=jnp.float32)
     ref = reference_attention(q, k, v, batch, HEAD_DIM ** -0.5)
@@ -103,7 +103,7 @@ def test_poisoned_pages_past_context_do_not_leak():
     v = v.at[tail_page, 5:].set(jnp.nan).at[0].set(jnp.nan)
     out = ragged_paged_attention(q, k, v, batch.block_tables, batch.context_lens,
                                  batch.cu_q_lens, block_q=4, pages_per_compute_block=2,
-                                 interpret=True)
+                                 interpret=interpret)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -127,11 +127,11 @@ def test_work_list_covers_every_token_once():
     ("q_heads", lambda a: a.update(q=jnp.zeros((4, 7, HEAD_DIM)))),
     ("block_q", lambda a: a.update(block_q=-1)),
 ])
-def test_bad_input_names_field(field, change):
+def test_bad_input_names_field(field, change, interpret):
     q, k, v, batch, _ = make_case(0, q_lens=[3, 1], ctx_lens=[3, 9], q_heads=8, kv_heads=2,
                                   block_size=8, pad_tokens=0, dtype=jnp.float32)
     args = dict(q=q, lens=batch.context_lens, cu=batch.cu_q_lens, block_q=None)
     change(args)
     with pytest.raises(ValueError, match=field):
         ragged_paged_attention(args["q"], k, v, batch.block_tables, args["lens"], args["cu"],
-                               block_q=args["block_q"], interpret=True)
+                               block_q=args["block_q"], interpret=interpret)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import assert_no_leaks
-from hf_fixtures import hf_greedy, make_hf_checkpoint, make_hf_llama
+from hf_fixtures import hf_greedy, import_torch, make_hf_checkpoint, make_hf_llama
 from paxkv import LLM, BeamSearchParams, SamplingParams
 
 CFG = dict(num_attention_heads=4, num_key_value_heads=2)
@@ -83,7 +83,7 @@ def test_parallel_samples_are_distinct_and_reproducible(checkpoint):
 
 
 def hf_beams(model, prompt, width, max_tokens, length_penalty, eos):
-    import torch
+    torch = import_torch()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
     ids = torch.tensor([prompt])

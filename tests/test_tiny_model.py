@@ -150,7 +150,8 @@ def test_chat_prompt_gets_an_answer_that_ends_the_turn(model, tokenizer):
 
 
 def test_transformers_reads_the_same_model(model_dir, model):
-    torch = pytest.importorskip("torch")
+    from hf_fixtures import import_torch
+    torch = import_torch()
     from transformers import LlamaForCausalLM
     params, cfg = model
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_fixtures import TINY_CONFIGS, hf_logits, load_hf_model, make_hf_checkpoint
+from hf_fixtures import TINY_CONFIGS, hf_logits, import_torch, load_hf_model, make_hf_checkpoint
 from paxkv.model import llama
 from paxkv.model.weights import (load_checkpoint, random_params, read_safetensors_header,
                                  save_checkpoint, tensor_specs, write_safetensors)
@@ -66,7 +66,7 @@ def test_load_matches_hf_tensors_in_layout_and_dtype(ckpt):
 
 def test_bf16_checkpoint_and_sharded_checkpoint_load_the_same_values(tmp_path):
     """A bf16 safetensors file (unreadable by safetensors' numpy backend) and a sharded one."""
-    import torch
+    torch = import_torch()
     from hf_fixtures import make_hf_llama
     model = make_hf_llama(seed=5, **TINY_CONFIGS["tied"])
     model.save_pretrained(tmp_path / "single")

@@ -1,4 +1,7 @@
-"""Decode paged attention for GPUs in Pallas (Triton lowering): one query token per sequence.
+"""Decode paged attention for GPUs in Pallas: one query token per sequence.
+
+The Triton-lowered kernel lives here; a Mosaic GPU (Hopper) variant in `mosaic_decode.py`
+sits behind the same `paged_attention(..., backend=...)`.
 
 Structure: `_decode_kernel` (one program = one sequence x one KV head x one split of its
 pages) -> `_decode_call` (grid, BlockSpecs, pallas_call) -> `paged_attention` (public,
@@ -20,9 +23,10 @@ Why it is shaped this way:
   non-finite page contents past the end never reach the output. With fp8 pages (which need
   a select per element to mask) all loop steps but the one that reaches past the length run
   unmasked, and only that last step masks.
-- 8-bit pages (fp8 e4m3/e5m2, int8) are converted once, straight to the compute dtype
-  (exact in bf16), and their per-token scales are applied outside the dots: the K scale to
-  the logits, the V scale to the probabilities.
+- 8-bit pages (fp8 e4m3/e5m2, int8) are converted once, straight to the dots' dtype
+  (`dot_dtype`: codes are exact in bf16 and fp16; fp8 codes default to fp16, one
+  instruction per pair on Hopper), and their per-token scales are applied outside the dots:
+  the K scale to the logits, the V scale to the probabilities.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import paging
+from pallas_kernels.paged_attention import mosaic_decode, paging, tuning
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("blocks_first", "heads_first")
@@ -58,7 +62,7 @@ def _split_full_steps(page_dtype) -> bool:
 
 def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
                    pages_per_compute_block: int, pages_per_split: int, group: int,
-                   rows: int, scale: float, quantized: bool, num_splits: int):
+                   rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype):
     """One (sequence, kv head, split): online softmax over that split's pages."""
     if quantized:
         ks_ref, vs_ref, *out_refs = refs
@@ -74,13 +78,18 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q_rows = h * group + jnp.minimum(r, group - 1)     # padding rows repeat the last head
     q = q_ref[q_rows[:, None], cols]
+    qk_scale = scale * LOG2E
+    if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
+        # The softmax scale is folded into the query before it is rounded to `dot_dtype`
+        # (it shrinks the values, far from float16's overflow).
+        q = (q.astype(jnp.float32) * qk_scale).astype(dot_dtype)
+        qk_scale = 1.0
     compute_dtype = q.dtype
     precision = paging.dot_precision(compute_dtype)
 
     first_page = s * pages_per_split
     last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
     num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
-    qk_scale = scale * LOG2E
 
     # Only a step that reaches past `length` needs masks: every step before it holds
     # `block_k` tokens of the sequence. Where that pays (`_split_full_steps`), those steps
@@ -94,7 +103,9 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
         valid = None
         if masked:
             valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
-        logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision) * qk_scale
+        logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision)
+        if qk_scale != 1.0:
+            logits = logits * qk_scale
         if masked:
             logits = jnp.where(valid[None, :], logits, -jnp.inf)
         # every step has a token, so the running max is finite: no empty-row guard
@@ -162,7 +173,7 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, pages_per_split, num_splits, scale,
-                 num_warps, num_stages, interpret):
+                 num_warps, num_stages, dot_dtype, interpret):
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     rows = paging.tile_rows(group)
@@ -199,7 +210,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         pages_per_split=pages_per_split, group=group, rows=rows, scale=scale,
-        quantized=quantized, num_splits=num_splits)
+        quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -243,13 +254,15 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
-    "pages_layout", "interpret"))
+    "pages_layout", "backend", "dot_dtype", "warp_specialized", "interpret"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
                     scale: float | None = None, pages_per_compute_block: int | None = None,
                     num_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                    pages_layout: str = "blocks_first", interpret: bool = False) -> jax.Array:
+                    pages_layout: str = "blocks_first", backend: str = "auto",
+                    dot_dtype: str | None = None, warp_specialized: bool | None = None,
+                    interpret: bool = False) -> jax.Array:
     """Decode attention of one query token per sequence over its paged KV cache.
 
     Args:
@@ -264,9 +277,19 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       scale: softmax scale (default `head_dim ** -0.5`).
       pages_per_compute_block: pages gathered per loop step (default ~128 tokens).
       num_splits: split-K count (default from batch, heads and `max_blocks`).
-      num_warps, num_stages: Triton launch parameters (stages default to 2, fewer where the
-        K/V tiles would not fit in shared memory).
-      interpret: run in Pallas interpret mode (CPU tests).
+      num_warps, num_stages: launch parameters (stages default to 2, fewer where the K/V
+        tiles would not fit in shared memory); the Mosaic GPU kernel uses only the stages.
+      pages_layout: "blocks_first" or "heads_first" (Triton only).
+      backend: "triton" (Pallas' Triton lowering; every page dtype and layout), "mosaic"
+        (Pallas Mosaic GPU, Hopper: TMA + wgmma; bf16/fp16 pages, blocks-first) or "auto"
+        (per shape from the measured winners in `tuning.DECODE_WINNERS`; Triton elsewhere,
+        and always in interpret mode).
+      dot_dtype: dtype of the Triton kernel's dot operands ("bfloat16", "float16"; default
+        the query's; for 8-bit pages `tuning.default_dot_dtype`). 8-bit codes are exact in
+        both.
+      warp_specialized: Mosaic GPU only: one producer warpgroup issuing the TMA copies
+        beside the compute warpgroup (default `mosaic_decode.WARP_SPECIALIZED`).
+      interpret: run in Pallas interpret mode (CPU tests; Mosaic GPU needs JAX >= 0.12).
     Returns:
       `[batch, q_heads, head_dim]` in `q.dtype`.
     """
@@ -274,11 +297,23 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, pages_layout)
     if scale is None:
         scale = head_dim ** -0.5
+    if backend not in tuning.BACKENDS:
+        raise ValueError(f"backend must be one of {tuning.BACKENDS}, got {backend!r}")
     ppcb = pages_per_compute_block or default_pages_per_compute_block(block_size)
     if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
         raise ValueError(f"pages_per_compute_block must be a power of two with "
                          f"block_size * pages_per_compute_block >= 16, got {ppcb}")
     max_pages = block_tables.shape[1]
+    if backend == "auto":
+        backend = "triton" if interpret else tuning.decode_backend(
+            k_pages.dtype, batch, max_pages * block_size)
+        if backend == "mosaic" and mosaic_decode.unsupported(
+                q, k_pages, k_scale, pages_layout, ppcb, interpret):
+            backend = "triton"
+    if backend == "mosaic":
+        why = mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret)
+        if why:
+            raise ValueError(f"backend='mosaic': {why}")
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -287,6 +322,16 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     width = splits * pages_per_split
     if width > max_pages:                               # pad with the null block
         block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
+
+    if backend == "mosaic":
+        return mosaic_decode.decode(
+            q, k_pages, v_pages, block_tables, context_lens, scale=float(scale),
+            pages_per_compute_block=ppcb, pages_per_split=pages_per_split, num_splits=splits,
+            num_stages=mosaic_decode.fit_num_stages(num_stages, block_size * ppcb, head_dim,
+                                                    jnp.dtype(k_pages.dtype).itemsize),
+            warp_specialized=(mosaic_decode.WARP_SPECIALIZED if warp_specialized is None
+                              else warp_specialized),
+            interpret=interpret)
 
     num_stages = paging.fit_num_stages(
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
@@ -297,8 +342,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     def to_tok(x):
         return None if x is None else _pages_to_tokens(x, pages_layout)
 
+    if dot_dtype is None:
+        dot_dtype = tuning.default_dot_dtype(k_pages.dtype, q.dtype)
     return _decode_call(
         q, to_tok(k_pages), to_tok(v_pages), to_tok(k_scale), to_tok(v_scale), block_tables,
         context_lens, layout=pages_layout, block_size=block_size, num_kv_heads=num_kv_heads,
         pages_per_compute_block=ppcb, pages_per_split=pages_per_split, num_splits=splits,
-        scale=float(scale), num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        scale=float(scale), num_warps=num_warps, num_stages=num_stages,
+        dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret)
