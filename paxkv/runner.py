@@ -22,8 +22,11 @@ from paxkv.cache import kv_pool as kvp
 from paxkv.config import ModelConfig
 from paxkv.model.batch import StepBatch
 from paxkv.sampler import SamplingTensors, sample
+from paxkv.sampling.rows import (FeatureSpans, ItemFeatures, RowFeatures, pack_item_features,
+                                 pack_row_features)
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
+_NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -50,6 +53,7 @@ class WorkItem:
     token_ids: Sequence[int]     # the tokens computed this step
     start: int                   # position of the first of them
     block_table: Sequence[int]
+    features: ItemFeatures | None = None   # prompt logprobs / hidden states wanted back
 
 
 class SampleRow(NamedTuple):
@@ -64,6 +68,7 @@ class SampleRow(NamedTuple):
     step: int = 0
     banned: Sequence[int] = ()
     num_logprobs: int = 0
+    features: RowFeatures | None = None   # penalties, bias, bans, grammar mask
 
 
 @dataclasses.dataclass
@@ -72,6 +77,12 @@ class HostSample:
     logprobs: np.ndarray        # [R]
     top_ids: np.ndarray         # [R, K]
     top_logprobs: np.ndarray    # [R, K]
+    # Per work item, through `spans`: prompt logprobs and hidden states (empty when unasked).
+    prompt_logprobs: np.ndarray | None = None      # [P]
+    prompt_top_ids: np.ndarray | None = None       # [P, KP]
+    prompt_top_logprobs: np.ndarray | None = None  # [P, KP]
+    hidden: np.ndarray | None = None               # [H, len(spans.hidden_layers), hidden]
+    spans: FeatureSpans | None = None
 
 
 @dataclasses.dataclass
@@ -83,26 +94,42 @@ class StepTiming:
     compiled: bool = False
 
 
-def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors]:
+def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors, jax.Array]:
+    """-> (batch, sampling tensors, hidden-state token indices)."""
     arrays = transfer.unpack_device(buf, spec)
     n = len(StepBatch._fields)
-    return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:])
+    m = n + len(SamplingTensors._fields)
+    return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:m]), arrays[m]
 
 
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
              cfg: ModelConfig, backend: str, decode_only: bool, all_greedy: bool,
-             num_logprobs: int) -> tuple[jax.Array, kvp.KVPool]:
+             num_logprobs: int, num_prompt_logprobs: int = 0,
+             hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
-    tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`)."""
+    tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`).
+
+    Prompt logprobs ask the model for logits at the prompt positions too (appended after the
+    S per-sequence rows); hidden states come out of the same forward pass.
+    """
     from paxkv.model.llama import forward
-    batch, st = _unpack_inputs(inputs, spec)
-    logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only)
-    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs)
-    return transfer.pack_device(tuple(result)), kv_pool
+    batch, st, hidden_at = _unpack_inputs(inputs, spec)
+    fed = batch.token_ids[batch.logits_indices[st.logits_rows]]    # each row's newest token
+    if st.prompt_positions.shape[0]:
+        batch = batch._replace(logits_indices=jnp.concatenate([batch.logits_indices,
+                                                               st.prompt_positions]))
+    out = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
+                  hidden_at=hidden_at, hidden_layers=hidden_layers)
+    logits, kv_pool = out[0], out[1]
+    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs,
+                    num_prompt_logprobs=num_prompt_logprobs, fed_tokens=fed)
+    arrays = tuple(result) + ((out[2].reshape(-1),) if hidden_layers else ())
+    return transfer.pack_device(arrays), kv_pool
 
 
 _jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
-                                               "num_logprobs"), donate_argnums=(1,))
+                                               "num_logprobs", "num_prompt_logprobs",
+                                               "hidden_layers"), donate_argnums=(1,))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
@@ -115,7 +142,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spe
     tokens and logprobs `[num_steps, rows]` packed in one buffer.
     """
     from paxkv.model.llama import forward
-    batch, st = _unpack_inputs(inputs, spec)
+    batch, st, _ = _unpack_inputs(inputs, spec)
     num_seqs = batch.context_lens.shape[0]
     block_size = kv_pool.block_size
     valid = batch.context_lens > 0
@@ -128,7 +155,8 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spe
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
         logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True)
-        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0)
+        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0,
+                     fed_tokens=tokens)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
         inc = valid.astype(jnp.int32)
@@ -177,9 +205,12 @@ def profile_activation_bytes(cfg: ModelConfig, params: Any, *, backend: str, blo
     return max(0, stats.get("peak_bytes_in_use", 0) - before - pool_bytes)
 
 
-def _pack_inputs(batch: StepBatch, st: SamplingTensors) -> tuple[jax.Array, transfer.Spec]:
+def _pack_inputs(batch: StepBatch, st: SamplingTensors,
+                 hidden_at: np.ndarray | None = None) -> tuple[jax.Array, transfer.Spec]:
     """A step's host arrays -> one device buffer (one transfer) and its static spec."""
-    buf, spec = transfer.pack_host(tuple(batch) + tuple(st))
+    if hidden_at is None:
+        hidden_at = np.zeros(0, np.int32)
+    buf, spec = transfer.pack_host(tuple(batch) + tuple(st) + (hidden_at,))
     return jax.device_put(buf), spec
 
 
@@ -312,9 +343,10 @@ class Runner:
                 ids = list(ids)[:NUM_BANNED]
                 banned[i, :len(ids)] = ids
         temperature = col(1, np.float32, 0.0)
+        features = pack_row_features(cols[9] if n else (), r, self.cfg.vocab_size)
         st = SamplingTensors(col(0, np.int32, 0), temperature, col(2, np.int32, -1),
                              col(3, np.float32, 1.0), col(4, np.float32, 0.0), col(5, np.int32, 0),
-                             col(6, np.int32, 0), banned)
+                             col(6, np.int32, 0), banned, *features, *_NO_PROMPT_LOGPROBS)
         all_greedy = not bool(np.any(temperature[:n] > 0.0))
         k = max(cols[8]) if n else 0
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
@@ -371,17 +403,30 @@ class Runner:
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
+        hidden_at, spans = None, None
+        if any(it.features is not None for it in items):
+            prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(
+                [it.features for it in items], batch.cu_q_lens, batch.logits_indices)
+            st = st._replace(prompt_positions=prompt_pos, prompt_targets=prompt_targets)
+        kp = min(spans.num_prompt_logprobs, self.cfg.vocab_size) if spans else 0
+        layers = spans.hidden_layers if spans else ()
         timing.pack_s = time.perf_counter() - t0
-        key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
-               st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
+        inputs, spec = _pack_inputs(batch, st, hidden_at)
+        key = (spec, decode_only, all_greedy, k, kp, layers)
         new = key not in self.compiled_keys
-        inputs, spec = _pack_inputs(batch, st)
         out, self.kv_pool = _jit_step(
             self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
-            decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k)
+            decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k,
+            num_prompt_logprobs=kp, hidden_layers=layers)
         t1 = time.perf_counter()
         r = st.seeds.shape[0]
-        host = HostSample(*transfer.unpack_host(np.asarray(out), (
-            ((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))))
+        p = st.prompt_positions.shape[0]
+        out_spec = [((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"),
+                    ((p,), "float32"), ((p, kp), "int32"), ((p, kp), "float32")]
+        if layers:
+            h = 0 if hidden_at is None else hidden_at.shape[0]
+            out_spec.append(((h, len(layers), self.cfg.hidden_size), "float32"))
+        parts = transfer.unpack_host(np.asarray(out), tuple(out_spec))
+        host = HostSample(*parts[:7], hidden=parts[7] if layers else None, spans=spans)
         self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing
