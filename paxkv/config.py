@@ -231,3 +231,4 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     num_scheduler_steps: int = 1  # decode steps per host round trip (multi-step decoding)
+    max_logprobs: int = 20        # cap on logprobs / prompt_logprobs per request (vLLM's)

@@ -17,16 +17,30 @@ from typing import Any, Iterable, Sequence
 
 from paxkv.cache.block_manager import BlockManager
 from paxkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paxkv.engine.request_features import POOLINGS, EncodeSpec, FeatureState, RequestFeatures
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence as Seq
 from paxkv.engine.sequence import SequenceStatus
+from paxkv.engine.validation import (DEFAULT_MAX_LOGPROBS, RequestValidator, check_hidden_layers,
+                                     check_int_list)
 from paxkv.metrics import Metrics, StepStats
-from paxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paxkv.outputs import CompletionOutput, EncodeOutput, RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("paxkv")
 
 Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class Intake:
+    """A request `validate_request` accepted, not queued yet."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    features: FeatureState | None
 
 
 @dataclasses.dataclass
@@ -46,6 +60,7 @@ class _Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     beam: Any = None            # BeamState for beam-search requests
     timing: RequestMetrics | None = None
+    features: FeatureState | None = None   # penalties, grammar, prompt logprobs, hidden states
 
     def sample_seed(self, index: int) -> int:
         """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""
@@ -92,54 +107,56 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.validator = RequestValidator(
+            self.model_config.vocab_size, self.max_model_len, tokenizer,
+            max_logprobs=getattr(config, "max_logprobs", DEFAULT_MAX_LOGPROBS),
+            num_layers=self.model_config.num_layers)
+        self.features = RequestFeatures(tokenizer, self.model_config.vocab_size, sorted(eos))
 
     # ---- requests -------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
-        return None, ids
-
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
-                             f"{self.max_model_len}")
+    def validate_request(self, request_id: str, prompt: Prompt,
+                         params: SamplingParams | None = None,
+                         encode: EncodeSpec | None = None) -> Intake:
+        """Every check `add_request` makes, with no state changed: a ValueError or TypeError
+        names the bad field. `LLM.generate` checks a whole batch this way before queueing any."""
+        params = SamplingParams() if params is None else params
+        self.validator.params(params)
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.validator.prompt(prompt)
+        return Intake(request_id, text, ids, params, self.features.prepare(params, ids, encode))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
+        self.enqueue(self.validate_request(request_id, prompt, params), arrival_time)
+
+    def enqueue(self, intake: Intake, arrival_time: float | None = None) -> None:
+        """Queue a request `validate_request` accepted."""
+        request_id, params = intake.request_id, intake.params
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
-        vocab = self.model_config.vocab_size
-        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError("stop_token_ids holds an id outside the vocabulary")
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
         now = time.monotonic() if arrival_time is None else arrival_time
-        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
-        req = _Request(request_id, text, ids, params, base_seed, [seq], timing=RequestMetrics(now))
+        seq = Seq(next(self._seq_ids), request_id, intake.prompt_token_ids, params, now)
+        req = _Request(request_id, intake.prompt, intake.prompt_token_ids, params, base_seed, [seq],
+                       timing=RequestMetrics(now))
+        req.features = intake.features
+        self.features.attach(intake.features, seq)
         self.requests[request_id] = req
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stop a request now: its blocks return to the pool before the next step."""
+        """Stop a request now: its blocks return to the pool before the next step.
+
+        The contract: the aborted request's final output (finish_reason "abort") is returned
+        by the very next `step()`, alone if nothing else runs, and `has_unfinished_requests()`
+        stays True until that step has returned it. Unknown or finished ids are ignored.
+        """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             req = self.requests.get(rid)
@@ -160,8 +177,7 @@ class LLMEngine:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         request_id = f"beam-{next(self._seq_ids)}"
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
+        text, ids = self.validator.prompt(prompt)
         seq = Seq(next(self._seq_ids), request_id, ids, params, time.monotonic())
         req = _Request(request_id, text, ids, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
                        0, [seq])
@@ -182,7 +198,8 @@ class LLMEngine:
         return req.beam.result(req.prompt_token_ids, decode)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs or an aborted one's final output awaits the next step."""
+        return bool(self.requests) or bool(self._aborted_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -202,8 +219,9 @@ class LLMEngine:
         indices = (index,)
         if not req.forked and p.best_of > 1:
             indices = tuple(range(p.best_of))   # first token of every sample from one prefill
+        features = self.features.row_features(req.features, seq)
         return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
-                          n_out, banned, p.logprobs or 0) for i in indices]
+                          n_out, banned, p.logprobs or 0, features) for i in indices]
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Schedule, run one device step, sample, stop; return the requests that changed.
@@ -234,16 +252,24 @@ class LLMEngine:
                     req = self._owner[seq.seq_id][0]
                     if req.num_cached_tokens is None:   # its first chunk starts after the hit
                         req.num_cached_tokens = c.start
+                req = self._owner[seq.seq_id][0]
                 items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
-                                      seq.block_table))
+                                      seq.block_table, self.features.item_features(
+                                          req.features, c.start, c.num_tokens, c.needs_sample)))
                 if c.needs_sample:
                     r = self._rows_for(i, seq)
                     rows.extend(r)
                     row_owner.extend([seq] * len(r))
+            rows = self.features.fill_masks(rows)
             t_build = time.perf_counter()
             sample, timing = self.runner.execute(items, rows)
             t_post = time.perf_counter()
             device_s, compile_s = timing.device_s, timing.compile_s
+            if sample.spans is not None:
+                for i, (c, it) in enumerate(zip(out.chunks, items)):
+                    if it.features is not None:
+                        req = self._owner[c.seq.seq_id][0]
+                        self.features.on_item_output(req.features, c.start, i, sample)
             self.scheduler.on_step_done(out)
             self._apply_samples(sample, rows, row_owner, changed, only_finished)
             python_extra = (t_build - t_start - schedule_s) + timing.pack_s + (time.perf_counter() - t_post)
@@ -281,6 +307,7 @@ class LLMEngine:
             p = req.params
             if (c.num_tokens != 1 or not c.needs_sample or req.beam is not None
                     or not req.forked_or_single or p.logprobs is not None
+                    or req.features is not None
                     or c.seq.num_output_tokens < p.min_tokens):
                 return 1
             longest = max(longest, c.seq.num_tokens)
@@ -350,11 +377,14 @@ class LLMEngine:
                 for j, child in enumerate(children, start=1):
                     req.samples.append(child)
                     self._owner[child.seq_id] = (req, j)
+                    self.features.on_fork(req.features, seq, child)
                 req.forked = True
+            hidden = (self.features.generated_hidden(req.features, rows[r].item, sample)
+                      if req.features is not None else None)
             for j in range(group):
                 target = req.samples[j] if group > 1 else seq
                 self._append(req, target, tokens[r + j], logprobs[r + j],
-                             sample.top_ids[r + j], sample.top_logprobs[r + j])
+                             sample.top_ids[r + j], sample.top_logprobs[r + j], hidden)
             touched[req.request_id] = req
             r += group
         for rid, req in beams.items():
@@ -392,9 +422,11 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def _append(self, req: _Request, seq: Seq, token: int, logprob: float, top_ids: Any,
-                top_lps: Any) -> None:
+                top_lps: Any, hidden: Any = None) -> None:
         p = req.params
         seq.append_token(token, logprob)
+        if req.features is not None:
+            self.features.on_token(req.features, seq, token, hidden)
         self.metrics.num_output_tokens += 1
         if p.logprobs is not None:
             entry = {token: logprob}
@@ -445,15 +477,19 @@ class LLMEngine:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=req.logprobs.get(s.seq_id) if p.logprobs is not None else None,
                 finish_reason=s.finish_reason if s.status.is_finished() else None,
-                stop_reason=s.stop_reason))
+                stop_reason=s.stop_reason,
+                hidden_states=RequestFeatures.hidden_states_of(req.features, s)))
         finished = req.aborted or req.finished
         if finished and p.best_of > p.n and not req.aborted:
             comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
             comps = comps[:p.n]
             for i, c in enumerate(comps):
                 c.index = i
+        prompt_logprobs = None
+        if req.features is not None and req.features.prompt_logprobs is not None:
+            prompt_logprobs = list(req.features.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens or 0, req.timing)
+                             req.num_cached_tokens or 0, req.timing, prompt_logprobs)
 
 
 def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:
@@ -485,7 +521,8 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
                  scheduler: str = "continuous", attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
-                 tokenizer: Any = "auto", num_scheduler_steps: int = 1) -> None:
+                 tokenizer: Any = "auto", num_scheduler_steps: int = 1,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -539,7 +576,8 @@ class LLM:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
         self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
                                    tensor_parallel_size=tensor_parallel_size, seed=seed,
-                                   num_scheduler_steps=num_scheduler_steps)
+                                   num_scheduler_steps=num_scheduler_steps,
+                                   max_logprobs=max_logprobs)
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
@@ -611,11 +649,43 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.llm_engine
-        ids = []
-        for prompt, sp in zip(prompts, sampling_params):
-            rid = str(next(self._request_counter))
-            engine.add_request(rid, prompt, sp)
-            ids.append(rid)
+        # Check every request before queueing any: one bad prompt leaves nothing behind.
+        intakes = [engine.validate_request(str(next(self._request_counter)), prompt, sp)
+                   for prompt, sp in zip(prompts, sampling_params)]
+        for intake in intakes:
+            engine.enqueue(intake)
+        ids = [intake.request_id for intake in intakes]
+        return self._run(ids, use_tqdm)
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], layers: Sequence[int] | None = None,
+               pooling: str = "last", use_tqdm: bool = False) -> list[EncodeOutput]:
+        """Residual-stream activations of each prompt, from the same paged forward that serves
+        generation: `layers` as transformers' hidden_states indices (0 = embeddings; default:
+        the last), pooled over the prompt's tokens ("last", "mean", or "none" for all)."""
+        engine = self.llm_engine
+        num_layers = engine.model_config.num_layers
+        layers = tuple(check_int_list("layers", layers if layers is not None else [num_layers],
+                                      non_empty=True))
+        check_hidden_layers("layers", layers, num_layers)
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers lists a layer twice: {list(layers)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        spec = EncodeSpec(layers, pooling)
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        intakes = [engine.validate_request(str(next(self._request_counter)), p, params, encode=spec)
+                   for p in prompts]
+        for intake in intakes:
+            engine.enqueue(intake)
+        outs = self._run([i.request_id for i in intakes], use_tqdm)
+        return [EncodeOutput(o.request_id, o.prompt, o.prompt_token_ids,
+                             RequestFeatures.pooled(i.features)) for o, i in zip(outs, intakes)]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` has finished; outputs in that order."""
+        engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -179,7 +179,7 @@ class BlockManager:
         Capped at (num_tokens - 1) // block_size blocks so at least the last token is
         computed: the step that computes it produces the logits to sample from.
         """
-        if not self.enable_prefix_caching or not self._cached:
+        if not self.enable_prefix_caching or not self._cached or seq.skip_prefix_cache:
             return []
         cap = (len(seq.token_ids) - 1) // self.block_size
         keys = self._ensure_keys(seq, cap)

@@ -90,6 +90,8 @@ class Sequence:
         # Batch slots to reserve while the request has not forked yet (n > 1, beams).
         self.fanout = fanout if fanout is not None else infer_fanout(params)
         self.num_preemptions = 0
+        # Prompt logprobs and full-prompt hidden states need every prompt token computed.
+        self.skip_prefix_cache = False
         # Owned by the BlockManager.
         self.block_table: list[int] = []
         self.block_hashes: list[tuple[int | None, tuple[int, ...]]] = []
