@@ -37,10 +37,14 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     """The llguidance grammar of a StructuredOutputsParams (not compiled yet)."""
     llg = _llguidance()
     m = llg.LLMatcher
+    # Compact JSON (no free whitespace between tokens, vLLM's disable_any_whitespace): a model
+    # may otherwise spend its whole budget on newlines that every grammar state allows.
+    compact = {"whitespace_flexible": False}
     if so.json is not None:
-        return m.grammar_from_json_schema(so.json if isinstance(so.json, str) else json.dumps(so.json))
+        schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        return m.grammar_from_json_schema(schema, defaults=compact)
     if so.json_object:
-        return m.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return m.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=compact)
     if so.regex is not None:
         return m.grammar_from_regex(so.regex)
     if so.choice is not None:   # a Lark alternation of JSON-quoted literals

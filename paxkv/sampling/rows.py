@@ -61,7 +61,7 @@ def pack_row_features(features: Sequence[RowFeatures | None], num_rows: int,
     penalties = np.zeros((r if pen_on else 0, 3), np.float32)
     if pen_on:
         penalties[:, 2] = 1.0
-    width = bucket(max((len(f.history) for _, f in feats if f.history is not None), default=0), 16)
+    width = bucket(max((len(f.history) for _, f in feats if f.history is not None), default=0), 64)
     history = np.full((r if hist_on else 0, width), -1, np.int32)
     meta = np.zeros((r if hist_on else 0, 2), np.int32)
     if hist_on:
