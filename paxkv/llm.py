@@ -260,9 +260,9 @@ class LLMEngine:
                     r = self._rows_for(i, seq)
                     rows.extend(r)
                     row_owner.extend([seq] * len(r))
-            rows = self.features.fill_masks(rows)
             t_build = time.perf_counter()
-            sample, timing = self.runner.execute(items, rows)
+            sample, timing = self.runner.execute(   # grammar masks overlap the forward
+                items, rows, self.features.fill_masks if self.features.has_pending_masks else None)
             t_post = time.perf_counter()
             device_s, compile_s = timing.device_s, timing.compile_s
             if sample.spans is not None:

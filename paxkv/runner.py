@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from paxkv.config import ModelConfig
 from paxkv.model.batch import StepBatch
 from paxkv.sampler import SamplingTensors, sample
 from paxkv.sampling.rows import (FeatureSpans, ItemFeatures, RowFeatures, pack_item_features,
-                                 pack_row_features)
+                                 pack_masks, pack_row_features)
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -130,6 +130,39 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: trans
 _jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
                                                "num_logprobs", "num_prompt_logprobs",
                                                "hidden_layers"), donate_argnums=(1,))
+
+
+def _forward_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
+                cfg: ModelConfig, backend: str, decode_only: bool,
+                hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, jax.Array, kvp.KVPool]:
+    """The forward half of a split step: -> (logits, fed tokens, hidden or [0], new pool)."""
+    from paxkv.model.llama import forward
+    batch, st, hidden_at = _unpack_inputs(inputs, spec)
+    fed = batch.token_ids[batch.logits_indices[st.logits_rows]]
+    if st.prompt_positions.shape[0]:
+        batch = batch._replace(logits_indices=jnp.concatenate([batch.logits_indices,
+                                                               st.prompt_positions]))
+    out = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
+                  hidden_at=hidden_at, hidden_layers=hidden_layers)
+    hidden = out[2].reshape(-1) if hidden_layers else jnp.zeros((0,), jnp.float32)
+    return out[0], fed, hidden, out[1]
+
+
+def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax.Array,
+               masks: jax.Array, *, spec: transfer.Spec, all_greedy: bool, num_logprobs: int,
+               num_prompt_logprobs: int, has_hidden: bool) -> jax.Array:
+    """The sampling half of a split step, with the grammar masks that arrived meanwhile."""
+    _, st, _ = _unpack_inputs(inputs, spec)
+    result = sample(logits, st._replace(masks=masks), all_greedy=all_greedy,
+                    num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs,
+                    fed_tokens=fed)
+    return transfer.pack_device(tuple(result) + ((hidden,) if has_hidden else ()))
+
+
+_jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "backend", "decode_only",
+                                                     "hidden_layers"), donate_argnums=(1,))
+_jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "all_greedy", "num_logprobs",
+                                                   "num_prompt_logprobs", "has_hidden"))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, *, spec: transfer.Spec,
@@ -397,8 +430,16 @@ class Runner:
         self._account(key, new, timing, t0, t1, time.perf_counter())
         return host, timing
 
-    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
-        """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""
+    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                fill_masks: Callable[[list[SampleRow]], list[SampleRow]] | None = None,
+                ) -> tuple[HostSample, StepTiming]:
+        """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host.
+
+        `fill_masks` (structured outputs): rows whose grammar masks are still to be computed
+        -> the rows with them. The step then runs in two halves: the forward is dispatched
+        first, the host computes the masks while the device runs it, and the sampler follows
+        with the masks (one more small transfer).
+        """
         timing = StepTiming()
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
@@ -411,13 +452,28 @@ class Runner:
         kp = min(spans.num_prompt_logprobs, self.cfg.vocab_size) if spans else 0
         layers = spans.hidden_layers if spans else ()
         timing.pack_s = time.perf_counter() - t0
+        masks_shape = st.masks.shape
+        if fill_masks is not None:     # the masks travel in the second half
+            st = st._replace(masks=np.zeros((0, masks_shape[1]), np.int32))
         inputs, spec = _pack_inputs(batch, st, hidden_at)
-        key = (spec, decode_only, all_greedy, k, kp, layers)
+        key = (spec, decode_only, all_greedy, k, kp, layers, fill_masks is not None, masks_shape)
         new = key not in self.compiled_keys
-        out, self.kv_pool = _jit_step(
-            self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
-            decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k,
-            num_prompt_logprobs=kp, hidden_layers=layers)
+        if fill_masks is None:
+            out, self.kv_pool = _jit_step(
+                self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
+                decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k,
+                num_prompt_logprobs=kp, hidden_layers=layers)
+        else:
+            logits, fed, hidden, self.kv_pool = _jit_forward(
+                self.params, self.kv_pool, inputs, spec=spec, cfg=self.cfg, backend=self.backend,
+                decode_only=decode_only, hidden_layers=layers)
+            t_mask = time.perf_counter()
+            rows = fill_masks(list(rows))          # host work while the device runs the forward
+            masks = pack_masks([r.features for r in rows], self.cfg.vocab_size)
+            timing.pack_s += time.perf_counter() - t_mask
+            out = _jit_sample(logits, fed, hidden, inputs, jax.device_put(masks), spec=spec,
+                              all_greedy=all_greedy, num_logprobs=k, num_prompt_logprobs=kp,
+                              has_hidden=bool(layers))
         t1 = time.perf_counter()
         r = st.seeds.shape[0]
         p = st.prompt_positions.shape[0]

@@ -10,9 +10,9 @@ step (forward + sampler), one transfer out, synchronized on the sampled ids. Cas
 - penalties: presence, frequency and repetition penalties on every row (history = the
   whole context, counted on the device);
 - off_again: `off` repeated last, to show drift over the run;
-- structured: a JSON schema on a quarter of the rows; the host fills the llguidance masks
-  for those rows every step (in llguidance's thread pool) and advances them on the sampled
-  ids, and the device applies them. The grammar runs over the embedded model's tokenizer
+- structured: a JSON schema on a quarter of the rows; every step the host fills the
+  llguidance masks for those rows (in llguidance's thread pool) while the device runs the
+  forward, the sampler applies them, and the host advances the matchers on the sampled ids. The grammar runs over the embedded model's tokenizer
   (4,096 tokens, ids widened to the 8B vocabulary), so the host share is a lower bound for a
   128k-token tokenizer; the device share is at full width.
 
@@ -164,14 +164,20 @@ def structured_case(runner, items, plain, steps, warmup, batch) -> dict:
     matchers = [so.compile(params) for _ in constrained]
     host_s = []
 
-    def step():
+    pending = list(plain)
+    for i in constrained:
+        pending[i] = pending[i]._replace(features=RowFeatures(mask="pending"))
+
+    def fill(rows):   # as the engine does: runs on the host while the forward runs
         t0 = time.perf_counter()
         masks = so.fill_masks(matchers)
-        rows = list(plain)
         for j, i in enumerate(constrained):
             rows[i] = rows[i]._replace(features=RowFeatures(mask=masks[j]))
         host_s.append(time.perf_counter() - t0)
-        sample, _ = runner.execute(items, rows)
+        return rows
+
+    def step():
+        sample, _ = runner.execute(items, pending, fill)
         t1 = time.perf_counter()
         for j, i in enumerate(constrained):
             mt = matchers[j]

@@ -141,12 +141,16 @@ class RequestFeatures:
         if state.grammar is not None:
             slot: list = []
             self._pending.append((state.matchers[seq.seq_id], slot))
-            mask = slot            # filled by fill_masks before the step runs
+            mask = slot            # filled by fill_masks while the step's forward runs
         return RowFeatures(
             penalties=((p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
                        if p.uses_penalties else None),
             history=history, output_start=start, logit_bias=p.logit_bias,
             allowed_token_ids=p.allowed_token_ids, bad_words=state.bad_words, mask=mask)
+
+    @property
+    def has_pending_masks(self) -> bool:
+        return bool(self._pending)
 
     def fill_masks(self, rows: list) -> list:
         """Compute this step's grammar masks in one parallel call and put them in the rows."""

@@ -21,7 +21,9 @@ class RowFeatures(NamedTuple):
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[Sequence[int]] = ()
-    mask: np.ndarray | None = None          # [ceil(V/32)] int32 allowed-token bitmask
+    # [ceil(V/32)] int32 allowed-token bitmask; any other non-None value marks a mask still
+    # being computed (`pack_masks` reads it once filled in).
+    mask: object = None
 
 
 class ItemFeatures(NamedTuple):
@@ -93,11 +95,22 @@ def pack_row_features(features: Sequence[RowFeatures | None], num_rows: int,
             allowed[i, :len(f.allowed_token_ids)] = f.allowed_token_ids
         for j, w in enumerate(f.bad_words):
             bad[i, j, wl - len(w):] = w
-    for m, (i, mask) in enumerate(masked):
+    for m, (i, _) in enumerate(masked):
         mask_rows[i] = m
+    if masked and all(isinstance(mask, np.ndarray) for _, mask in masked):
+        masks = pack_masks(features, vocab_size)
+    return penalties, history, meta, bias_ids, bias_values, allowed, bad, mask_rows, masks
+
+
+def pack_masks(features: Sequence[RowFeatures | None], vocab_size: int) -> np.ndarray:
+    """The `masks [M, ceil(V/32)]` array of rows whose masks are filled in, in row order."""
+    masked = [f.mask for f in features if f is not None and f.mask is not None]
+    words = -(-vocab_size // 32)
+    masks = np.zeros((bucket(len(masked), 4), words if masked else 0), np.int32)
+    for m, mask in enumerate(masked):
         n = min(words, mask.shape[0])
         masks[m, :n] = mask[:n]
-    return penalties, history, meta, bias_ids, bias_values, allowed, bad, mask_rows, masks
+    return masks
 
 
 def pack_item_features(features: Sequence[ItemFeatures | None], cu_q_lens: np.ndarray,
