@@ -17,10 +17,10 @@ pytest.importorskip("llguidance")
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 10},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "married": {"type": "boolean"},
-        "children": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+        "children": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 1},
     },
     "required": ["name", "age", "married"],
     "additionalProperties": False,
@@ -33,7 +33,7 @@ def llm():
 
 
 def test_json_schema_outputs_parse_and_validate(llm):
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120,
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
               for s in range(50)]
     outs = llm.generate(["Describe a character as JSON:"] * 50, params, use_tqdm=False)
