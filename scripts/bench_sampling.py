@@ -18,7 +18,7 @@ step (forward + sampler), one transfer out, synchronized on the sampled ids. Cas
 
 Median of `--steps` steps after `--warmup` (compilation excluded).
 
-    PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir results/sampling
+    PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir results
     PYTHONPATH=. python3 scripts/bench_sampling.py --smoke --out_dir /tmp/s   # CPU, seconds
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ flags.DEFINE_integer("steps", 40, "timed steps per case")
 flags.DEFINE_integer("warmup", 5, "untimed steps per case (the first compiles)")
 flags.DEFINE_float("structured_fraction", 0.25, "share of rows with a JSON schema")
 flags.DEFINE_bool("smoke", False, "CPU check: tiny-random, batch 8, context 40")
-flags.DEFINE_string("out_dir", "results/sampling", "where sampling.md and sampling.json go")
+flags.DEFINE_string("out_dir", "results", "where sampling.md and sampling.json go")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},

@@ -8,46 +8,34 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
-from engine_helpers import assert_no_leaks, tiny_llm
+from engine_helpers import assert_no_leaks
 from paxkv import SamplingParams
-from paxkv.assets import tiny_model_dir
 from paxkv.eval_windows import eval_windows
 from paxkv.model.dense import dense_forward
 from test_tiny_model import HELD_OUT
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return LlamaForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
-
-
-def hf_logprobs(hf, ids):
+def hf_logprobs(tiny_hf, ids):
     with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+        return torch.log_softmax(tiny_hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
 
 
-def test_prompt_logprobs_equal_transformers(llm, hf):
+def test_prompt_logprobs_equal_transformers(tiny_llm, tiny_hf):
     """A 150-token prompt spans two 128-token chunks; the second request with the same
     prompt would hit the prefix cache, and still gets every position."""
     rng = np.random.default_rng(0)
-    tok = llm.get_tokenizer()
+    tok = tiny_llm.get_tokenizer()
     prompts = [tok.encode(" ".join(HELD_OUT))[:150], tok.encode(HELD_OUT[1])[:37],
                rng.integers(3, 4096, 23).tolist()]
     prompts.append(list(prompts[0]))
     k = 3
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k),
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k),
                         use_tqdm=False)
     for ids, out in zip(prompts, outs):
         plp = out.prompt_logprobs
         assert len(plp) == len(ids) and plp[0] is None
-        ref = hf_logprobs(hf, ids)
+        ref = hf_logprobs(tiny_hf, ids)
         for pos in range(1, len(ids)):
             row = ref[pos - 1]
             entry = plp[pos]
@@ -56,15 +44,15 @@ def test_prompt_logprobs_equal_transformers(llm, hf):
             assert set(entry) == set(int(t) for t in top) | {ids[pos]}
             np.testing.assert_allclose([entry[int(t)] for t in top], row[top], atol=1e-4)
     assert outs[3].prompt_logprobs[1:] == pytest.approx(outs[0].prompt_logprobs[1:])
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)
 
 
-def test_held_out_perplexity_from_prompt_logprobs_equals_eval_windows(llm):
+def test_held_out_perplexity_from_prompt_logprobs_equals_eval_windows(tiny_llm):
     """The eval-window protocol of eval_windows.py on the held-out paragraphs: every stream
     token predicted once, from a window that starts with BOS. Through the engine, each window
     is a prompt and its prompt logprobs are the targets' log-likelihoods."""
-    tok = llm.get_tokenizer()
-    engine = llm.llm_engine
+    tok = tiny_llm.get_tokenizer()
+    engine = tiny_llm.llm_engine
     cfg = engine.model_config
     stream = np.asarray([t for p in HELD_OUT for t in tok.encode(p, add_special_tokens=False)],
                         np.int32)
@@ -75,7 +63,7 @@ def test_held_out_perplexity_from_prompt_logprobs_equals_eval_windows(llm):
     nll_ref = -np.take_along_axis(lp, targets[..., None], -1)[..., 0]
     ppl_ref = math.exp(float((nll_ref * mask).sum() / mask.sum()))
 
-    outs = llm.generate([w.tolist() for w in windows],
+    outs = tiny_llm.generate([w.tolist() for w in windows],
                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
                         use_tqdm=False)
     nll = 0.0

@@ -9,20 +9,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from engine_helpers import assert_no_leaks, tiny_llm
+from engine_helpers import assert_no_leaks
 from paxkv import LLM, SamplingParams
 from paxkv.sampling_params import StructuredOutputsParams
 
 VOCAB = 4096
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return tiny_llm()
-
-
-def run(llm, prompt, **kw):
-    return llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0]
+def run(tiny_llm, prompt, **kw):
+    return tiny_llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0]
 
 
 # ---- the cases of the issue, one by one --------------------------------------------------
@@ -52,13 +47,13 @@ def test_numpy_scalars_are_accepted():
     assert (p.n, p.max_tokens) == (2, 4) and type(p.n) is int
 
 
-def test_logprobs_capped_at_max_logprobs(llm):
-    engine = llm.llm_engine
+def test_logprobs_capped_at_max_logprobs(tiny_llm):
+    engine = tiny_llm.llm_engine
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"{field} 21 exceeds max_logprobs 20"):
             engine.add_request("x", [1, 2, 3], SamplingParams(**{field: 21}))
     assert not engine.has_unfinished_requests()
-    out = run(llm, [1, 2, 3], temperature=0.0, max_tokens=1, logprobs=20)
+    out = run(tiny_llm, [1, 2, 3], temperature=0.0, max_tokens=1, logprobs=20)
     assert len(out.outputs[0].logprobs[0]) >= 20
 
 
@@ -73,31 +68,31 @@ def test_max_logprobs_is_an_engine_argument():
                                           ([True, 3], TypeError), (b"bytes", TypeError),
                                           (17, TypeError), ([], ValueError), ([3, VOCAB], ValueError),
                                           ([-1], ValueError)])
-def test_bad_prompts_name_the_prompt(llm, prompt, error):
+def test_bad_prompts_name_the_prompt(tiny_llm, prompt, error):
     with pytest.raises(error, match="prompt"):
-        llm.llm_engine.add_request("bad", prompt, SamplingParams())
-    assert not llm.llm_engine.has_unfinished_requests()
+        tiny_llm.llm_engine.add_request("bad", prompt, SamplingParams())
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
-def test_generate_with_one_bad_prompt_queues_nothing(llm):
-    engine = llm.llm_engine
+def test_generate_with_one_bad_prompt_queues_nothing(tiny_llm):
+    engine = tiny_llm.llm_engine
     good = [[1, 30, 40], [1, 50, 60]]
     with pytest.raises(TypeError, match="prompt"):
-        llm.generate(good + [[5.5]], SamplingParams(max_tokens=3), use_tqdm=False)
+        tiny_llm.generate(good + [[5.5]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.scheduler.num_waiting == 0
     with pytest.raises(ValueError, match="logprobs"):   # refused by the engine, not at construction
-        llm.generate(good, [SamplingParams(), SamplingParams(logprobs=21)], use_tqdm=False)
+        tiny_llm.generate(good, [SamplingParams(), SamplingParams(logprobs=21)], use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    outs = llm.generate(good, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    outs = tiny_llm.generate(good, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 3 for o in outs)
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)
 
 
-def test_abort_contract(llm):
+def test_abort_contract(tiny_llm):
     """The aborted request's final output comes from the very next step, and
     has_unfinished_requests stays True until then; nothing of it reaches later work."""
-    engine = llm.llm_engine
+    engine = tiny_llm.llm_engine
     engine.add_request("a", [1, 20, 30], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     engine.abort_request("a")
@@ -108,13 +103,13 @@ def test_abort_contract(llm):
     assert not engine.has_unfinished_requests()
     engine.abort_request("a")               # already gone: ignored
     assert not engine.has_unfinished_requests()
-    later = llm.generate([[1, 20, 30]], SamplingParams(max_tokens=2), use_tqdm=False)
+    later = tiny_llm.generate([[1, 20, 30]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert [o.request_id for o in later] != ["a"]
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)
 
 
-def test_bad_grammar_is_refused_with_llguidance_error(llm):
-    engine = llm.llm_engine
+def test_bad_grammar_is_refused_with_llguidance_error(tiny_llm):
+    engine = tiny_llm.llm_engine
     with pytest.raises(ValueError, match="structured_outputs"):
         engine.add_request("g", "Hello", SamplingParams(
             structured_outputs=StructuredOutputsParams(grammar="start: foo\nfoo: ( \"a\"")))
@@ -183,9 +178,9 @@ BACKGROUND = [([1, 1030, 369, 264], 6), ([1, 50, 51, 52, 53, 54], 7)]
 
 
 @pytest.fixture(scope="module")
-def clean_background(llm):
+def clean_background(tiny_llm):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in BACKGROUND]
-    outs = llm.generate([p for p, _ in BACKGROUND], params, use_tqdm=False)
+    outs = tiny_llm.generate([p for p, _ in BACKGROUND], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -205,9 +200,9 @@ def requests(draw):
 @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(case=requests())
-def test_any_request_is_refused_by_name_or_served(llm, clean_background, case):
+def test_any_request_is_refused_by_name_or_served(tiny_llm, clean_background, case):
     prompt, kwargs, broken, bad_prompt = case
-    engine = llm.llm_engine
+    engine = tiny_llm.llm_engine
     for i, (p, m) in enumerate(BACKGROUND):
         engine.add_request(f"bg{i}", p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
     engine.step()
@@ -240,4 +235,4 @@ def test_any_request_is_refused_by_name_or_served(llm, clean_background, case):
             if kwargs.get("allowed_token_ids"):
                 assert set(c.token_ids) <= set(kwargs["allowed_token_ids"])
     engine.scheduler.check_no_leaks()
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)

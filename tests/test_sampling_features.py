@@ -7,36 +7,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 from transformers.generation.logits_process import (NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor)
 
-from engine_helpers import assert_no_leaks, tiny_llm
+from engine_helpers import assert_no_leaks, shared_tiny_llm
 from paxkv import LLM, SamplingParams
-from paxkv.assets import tiny_model_dir
 
 PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome,",
            "Mr. Darcy said", "She was"]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return LlamaForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
-
-
-def reference_greedy(hf, prompt, max_tokens, *, presence=0.0, frequency=0.0, repetition=1.0,
+def reference_greedy(tiny_hf, prompt, max_tokens, *, presence=0.0, frequency=0.0, repetition=1.0,
                      bias=None, allowed=None, bad_words=()):
     """Greedy decoding with the processors applied in vLLM's order to transformers' logits."""
     out: list[int] = []
     for _ in range(max_tokens):
         ids = torch.tensor([prompt + out])
         with torch.no_grad():
-            x = hf(ids).logits[:, -1].float().clone()
+            x = tiny_hf(ids).logits[:, -1].float().clone()
         if allowed is not None:
             keep = torch.zeros_like(x, dtype=torch.bool)
             keep[0, allowed] = True
@@ -67,39 +55,39 @@ CASES = {
 }
 
 
-def ref_kwargs(llm, kw):
+def ref_kwargs(tiny_llm, kw):
     out = dict(presence=kw.get("presence_penalty", 0.0), frequency=kw.get("frequency_penalty", 0.0),
                repetition=kw.get("repetition_penalty", 1.0), bias=kw.get("logit_bias"),
                allowed=kw.get("allowed_token_ids"))
     if "bad_words" in kw:
-        out["bad_words"] = llm.llm_engine.features.tokenize_bad_words(kw["bad_words"])
+        out["bad_words"] = tiny_llm.llm_engine.features.tokenize_bad_words(kw["bad_words"])
     return out
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_with_processors_equals_reference(llm, hf, case):
+def test_greedy_with_processors_equals_reference(tiny_llm, tiny_hf, case):
     kw = CASES[case]
-    tok = llm.get_tokenizer()
+    tok = tiny_llm.get_tokenizer()
     prompt = tok.encode(PROMPTS[0])
-    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    plain = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].token_ids
-    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **kw),
+    got = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **kw),
                        use_tqdm=False)[0].outputs[0].token_ids
-    assert got == reference_greedy(hf, prompt, 12, **ref_kwargs(llm, kw))
+    assert got == reference_greedy(tiny_hf, prompt, 12, **ref_kwargs(tiny_llm, kw))
     assert got != plain, "the feature should change this output"
 
 
-def test_bad_words_are_tokenized_at_the_start_and_after_a_space(llm):
-    tok = llm.get_tokenizer()
-    ids = llm.llm_engine.features.tokenize_bad_words(["happy"])
+def test_bad_words_are_tokenized_at_the_start_and_after_a_space(tiny_llm):
+    tok = tiny_llm.get_tokenizer()
+    ids = tiny_llm.llm_engine.features.tokenize_bad_words(["happy"])
     assert tuple(tok.encode("happy", add_special_tokens=False)) in ids
     assert tuple(tok.encode(" happy", add_special_tokens=False)) in ids
-    text = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+    text = tiny_llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                                                      bad_words=["happy"]), use_tqdm=False)[0].outputs[0].text
     assert "happy" not in text
 
 
-def test_mixed_batch_gives_each_row_its_solo_output(llm):
+def test_mixed_batch_gives_each_row_its_solo_output(tiny_llm):
     """Rows with and without each feature share steps (and shape buckets) without effect on
     each other: tokens equal exactly, float outputs to float32 noise."""
     base = dict(max_tokens=8, ignore_eos=True)
@@ -114,8 +102,8 @@ def test_mixed_batch_gives_each_row_its_solo_output(llm):
         SamplingParams(temperature=1.0, seed=9, top_k=20, **base),
     ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
-    solo = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-    mixed = llm.generate(prompts, params, use_tqdm=False)
+    solo = [tiny_llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    mixed = tiny_llm.generate(prompts, params, use_tqdm=False)
     for i, (a, b) in enumerate(zip(solo, mixed)):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], f"row {i}"
         if a.prompt_logprobs is not None:
@@ -125,13 +113,13 @@ def test_mixed_batch_gives_each_row_its_solo_output(llm):
         if a.outputs[0].hidden_states is not None:
             np.testing.assert_allclose(a.outputs[0].hidden_states[2], b.outputs[0].hidden_states[2],
                                        atol=1e-5)
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)
 
 
 def test_penalties_survive_preemption_and_chunking():
     """The token history is the engine's own, so recompute preemption and chunked prefill
     (which re-feed tokens) leave penalized outputs unchanged."""
-    roomy = tiny_llm()
+    roomy = shared_tiny_llm()
     tight = LLM("tiny", dtype="float32", num_gpu_blocks_override=6, max_model_len=64,
                 max_num_seqs=8, max_num_batched_tokens=16, params=roomy.llm_engine.runner.params)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine_helpers import assert_no_leaks, tiny_llm
+from engine_helpers import assert_no_leaks
 from paxkv import SamplingParams
 from paxkv.sampling_params import StructuredOutputsParams
 
@@ -27,38 +27,33 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return tiny_llm()
-
-
-def test_json_schema_outputs_parse_and_validate(llm):
+def test_json_schema_outputs_parse_and_validate(tiny_llm):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
               for s in range(50)]
-    outs = llm.generate(["Describe a character as JSON:"] * 50, params, use_tqdm=False)
+    outs = tiny_llm.generate(["Describe a character as JSON:"] * 50, params, use_tqdm=False)
     for o in outs:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert len({o.outputs[0].text for o in outs}) > 10      # sampled, not one forced string
-    assert_no_leaks(llm)
+    assert_no_leaks(tiny_llm)
 
 
-def test_choice_outputs_are_one_of_the_choices(llm):
+def test_choice_outputs_are_one_of_the_choices(tiny_llm):
     choices = ["Elizabeth", "Mr. Darcy", "Jane", "Lady Catherine de Bourgh"]
     so = StructuredOutputsParams(choice=choices)
-    outs = llm.generate(["Who is the proudest?"] * 8,
+    outs = tiny_llm.generate(["Who is the proudest?"] * 8,
                         [SamplingParams(temperature=2.5, seed=s, n=2, max_tokens=30,
                                         structured_outputs=so) for s in range(8)], use_tqdm=False)
     texts = [c.text for o in outs for c in o.outputs]
     assert set(texts) <= set(choices) and len(set(texts)) > 1
 
 
-def test_regex_and_grammar(llm):
+def test_regex_and_grammar(tiny_llm):
     regex = StructuredOutputsParams(regex=r"[A-Z][a-z]{2,6} [0-9]{2}")
     lark = StructuredOutputsParams(grammar='start: "yes" | "no" | "perhaps, " word\nword: /[a-z]{1,8}/')
-    outs = llm.generate(["Answer:"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=30,
+    outs = tiny_llm.generate(["Answer:"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=30,
                                                        structured_outputs=regex if s % 2 else lark)
                                         for s in range(4)], use_tqdm=False)
     for s, o in enumerate(outs):
@@ -69,14 +64,14 @@ def test_regex_and_grammar(llm):
             assert re.fullmatch(r"yes|no|perhaps, [a-z]{1,8}", text), text
 
 
-def test_structured_rows_do_not_disturb_the_others(llm):
+def test_structured_rows_do_not_disturb_the_others(tiny_llm):
     plain = [SamplingParams(temperature=0.9, seed=s, max_tokens=12, ignore_eos=True) for s in range(3)]
     so = SamplingParams(temperature=1.0, seed=4, max_tokens=60,
                         structured_outputs=StructuredOutputsParams(json=SCHEMA))
     prompts = ["She was", "Emma", "It is a truth", "JSON:"]
-    solo = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    solo = [tiny_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
             for p, sp in zip(prompts, plain + [so])]
-    mixed = llm.generate(prompts, plain + [so], use_tqdm=False)
+    mixed = tiny_llm.generate(prompts, plain + [so], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed] == solo
 
 
