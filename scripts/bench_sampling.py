@@ -1,4 +1,4 @@
-"""What the sampling features cost at batch-256 decode (issue: sampling parity, structured outputs).
+"""What the sampling features cost at batch-256 decode: penalties, structured outputs, neither.
 
 One run, on the same weights, pool and decode batch (every sequence at the same context),
 times the runner's decode step end to end: packing on the host, one transfer in, the jitted
