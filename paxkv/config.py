@@ -232,3 +232,4 @@ class EngineConfig:
     seed: int = 0
     num_scheduler_steps: int = 1  # decode steps per host round trip (multi-step decoding)
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens
+    max_logprobs: int = 20        # cap on logprobs / prompt_logprobs per request (vLLM's)

@@ -12,8 +12,10 @@ from typing import Any, Sequence
 from paxkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paxkv.engine.beam_search import BeamSearchOutput, run_beam_search
 from paxkv.engine.llm_engine import LLMEngine, Prompt
+from paxkv.engine.request_features import POOLINGS, EncodeSpec, RequestFeatures
+from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, check_hidden_layers, check_int_list
 from paxkv.metrics import Metrics
-from paxkv.outputs import RequestOutput
+from paxkv.outputs import EncodeOutput, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("paxkv")
@@ -52,6 +54,7 @@ class LLM:
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
                  tokenizer: Any = "auto", num_scheduler_steps: int = 1,
                  async_scheduling: bool = True, compilation_cache_dir: str | None = "auto",
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  distributed_coordinator_address: str | None = None,
                  distributed_num_processes: int | None = None,
                  distributed_process_id: int | None = None) -> None:
@@ -136,7 +139,7 @@ class LLM:
         self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
                                    tensor_parallel_size=tensor_parallel_size, seed=seed,
                                    num_scheduler_steps=num_scheduler_steps,
-                                   async_scheduling=async_scheduling)
+                                   async_scheduling=async_scheduling, max_logprobs=max_logprobs)
         kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
         # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
         from paxkv.cache.kv_pool import block_bytes
@@ -193,15 +196,42 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         engine = self.llm_engine
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, sampling_params):
-                rid = str(next(self._request_counter))
-                engine.add_request(rid, prompt, sp)
-                ids.append(rid)
-        except Exception:
-            engine.discard_requests(ids)   # all or nothing: no half-added call stays queued
-            raise
+        # Check every request before queueing any: one bad prompt leaves nothing behind.
+        intakes = [engine.validate_request(str(next(self._request_counter)), prompt, sp)
+                   for prompt, sp in zip(prompts, sampling_params)]
+        for intake in intakes:
+            engine.enqueue(intake)
+        return self._run([intake.request_id for intake in intakes], use_tqdm)
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], layers: Sequence[int] | None = None,
+               pooling: str = "last", use_tqdm: bool = False) -> list[EncodeOutput]:
+        """Residual-stream activations of each prompt, from the same paged forward that serves
+        generation: `layers` as transformers' hidden_states indices (0 = embeddings; default:
+        the last), pooled over the prompt's tokens ("last", "mean", or "none" for all)."""
+        engine = self.llm_engine
+        num_layers = engine.model_config.num_layers
+        layers = tuple(check_int_list("layers", layers if layers is not None else [num_layers],
+                                      non_empty=True))
+        check_hidden_layers("layers", layers, num_layers)
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers lists a layer twice: {list(layers)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        spec = EncodeSpec(layers, pooling)
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        intakes = [engine.validate_request(str(next(self._request_counter)), p, params, encode=spec)
+                   for p in prompts]
+        for intake in intakes:
+            engine.enqueue(intake)
+        outs = self._run([i.request_id for i in intakes], use_tqdm)
+        return [EncodeOutput(o.request_id, o.prompt, o.prompt_token_ids,
+                             RequestFeatures.pooled(i.features)) for o, i in zip(outs, intakes)]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` has finished; outputs in that order."""
+        engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -13,6 +14,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
+    # SamplingParams(return_hidden_states=layers): {layer: [len(token_ids), hidden] float32},
+    # row i taken at the position whose logits chose token i.
+    hidden_states: dict[int, Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -36,3 +40,20 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # SamplingParams(prompt_logprobs=k): per prompt token, {its id and the top k: logprob};
+    # None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclasses.dataclass
+class EncodeOutput:
+    """What LLM.encode returns: the prompt's hidden states, pooled, as numpy float32.
+
+    `hidden_states[layer]` is `[hidden]` for pooling "last" and "mean", `[len(prompt), hidden]`
+    for "none"; layer i is transformers' hidden_states[i].
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    hidden_states: dict[int, Any]

@@ -44,3 +44,16 @@ def on_gpu() -> bool:
 def interpret(on_gpu) -> bool:
     """Pallas interpret mode off the GPU; compiled kernels on it."""
     return not on_gpu
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """One LLM on the embedded model shared by the sampling tests (engine_helpers)."""
+    from engine_helpers import shared_tiny_llm
+    return shared_tiny_llm()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    from engine_helpers import shared_tiny_hf
+    return shared_tiny_hf()

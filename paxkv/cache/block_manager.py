@@ -173,7 +173,7 @@ class BlockManager:
         computed: the step that computes it produces the logits to sample from.
         """
         pool = self.device_pool
-        if not self.enable_prefix_caching or not pool.num_cached:
+        if not self.enable_prefix_caching or not pool.num_cached or seq.skip_prefix_cache:
             return []
         cap = (len(seq.token_ids) - 1) // self.block_size
         keys = self._ensure_keys(seq, cap)

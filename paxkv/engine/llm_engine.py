@@ -24,16 +24,29 @@ from paxkv.cache.block_manager import BlockManager
 from paxkv.config import EngineConfig, ModelConfig
 from paxkv.engine.beam_search import BeamSearchOutput, BeamState
 from paxkv.engine.output_processor import OutputProcessor
+from paxkv.engine.request_features import EncodeSpec, FeatureState, RequestFeatures
 from paxkv.engine.requests import BeamRequest, EngineRequest, SamplingRequest
 from paxkv.engine.scheduler import Scheduler, SchedulerOutput
 from paxkv.engine.sequence import Sequence as Seq
 from paxkv.engine.sequence import SequenceStatus
 from paxkv.engine.step_io import HostSample, SampleRow, WorkItem
+from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, RequestValidator
 from paxkv.metrics import Metrics, StepStats
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class Intake:
+    """A request `validate_request` accepted, not queued yet."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    features: FeatureState | None
 
 
 @dataclasses.dataclass
@@ -46,6 +59,7 @@ class _StepInFlight:
     sched: SchedulerOutput
     num_steps: int = 1                # > 1: a multi-step decode call
     placeholder_at: list[int] | None = None   # async: where each row's placeholder sits
+    feature_items: list[int] = dataclasses.field(default_factory=list)  # items with features
 
 
 class LLMEngine:
@@ -78,36 +92,34 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.validator = RequestValidator(
+            self.model_config.vocab_size, self.max_model_len, tokenizer,
+            max_logprobs=getattr(config, "max_logprobs", DEFAULT_MAX_LOGPROBS),
+            num_layers=self.model_config.num_layers)
+        self.features = RequestFeatures(tokenizer, self.model_config.vocab_size, sorted(eos))
         self.output_processor = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids,
-                                                self.max_model_len)
+                                                self.max_model_len, self.features)
 
     # ---- requests -------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"prompt must be a string or a list of token ids: {e}") from None
-        return None, ids
-
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
-                             f"{self.max_model_len}")
-
     def _register(self, req: EngineRequest, seq: Seq) -> None:
         self.requests[req.request_id] = req
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
+
+    def validate_request(self, request_id: str, prompt: Prompt,
+                         params: SamplingParams | None = None,
+                         encode: EncodeSpec | None = None) -> Intake:
+        """Every check `add_request` makes, with no state changed: a ValueError or TypeError
+        names the bad field. `LLM.generate` checks a whole batch this way before queueing any."""
+        params = SamplingParams() if params is None else params
+        self.validator.params(params)
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.validator.prompt(prompt)
+        return Intake(request_id, text, ids, params, self.features.prepare(params, ids, encode))
 
     def check_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """The checks add_request runs, without queueing anything: (prompt text, prompt ids).
@@ -115,36 +127,35 @@ class LLMEngine:
         Reads only immutable engine state, so a server may call it from its own threads to
         reject bad input before it reaches the engine thread.
         """
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
-        vocab = self.model_config.vocab_size
-        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError("stop_token_ids holds an id outside the vocabulary")
+        self.validator.params(params)
+        text, ids = self.validator.prompt(prompt)
+        self.features.prepare(params, ids, None)
         return text, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Validate and queue one request; a ValueError names the bad field, nothing else changes."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
+        """Validate and queue one request; an error names the bad field, nothing else changes."""
+        self.enqueue(self.validate_request(request_id, prompt, params), arrival_time)
+
+    def enqueue(self, intake: Intake, arrival_time: float | None = None) -> None:
+        """Queue a request `validate_request` accepted."""
+        request_id, params = intake.request_id, intake.params
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.check_request(prompt, params)
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
         now = time.monotonic() if arrival_time is None else arrival_time
-        seq = Seq(next(self._seq_ids), request_id, ids, params, now)
-        self._register(SamplingRequest(request_id, text, ids, params, [seq], RequestMetrics(now),
-                                       base_seed=base_seed), seq)
+        seq = Seq(next(self._seq_ids), request_id, intake.prompt_token_ids, params, now)
+        req = SamplingRequest(request_id, intake.prompt, intake.prompt_token_ids, params, [seq],
+                              RequestMetrics(now), features=intake.features, base_seed=base_seed)
+        self.features.attach(intake.features, seq)
+        self._register(req, seq)
 
     def add_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> str:
         """Queue one beam-search request; its beams are forks sharing the prompt's blocks."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         request_id = f"beam-{next(self._seq_ids)}"
-        text, ids = self._encode(prompt)
-        self._validate_prompt(ids)
+        text, ids = self.validator.prompt(prompt)
         now = time.monotonic()
         seq = Seq(next(self._seq_ids), request_id, ids, params, now)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -216,8 +227,9 @@ class LLMEngine:
         if n_out < p.min_tokens:
             banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
         indices = tuple(range(p.best_of)) if req.will_fork else (index,)
+        features = self.features.row_features(req.features, seq)
         return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
-                          n_out, banned, p.logprobs or 0) for i in indices]
+                          n_out, banned, p.logprobs or 0, features) for i in indices]
 
     def _needs_sync(self) -> bool:
         """Whether this step must be read back before the next is scheduled."""
@@ -227,24 +239,28 @@ class LLMEngine:
 
     def _dispatch(self, out: SchedulerOutput, k: int) -> _StepInFlight:
         """Build the step's work items and sampling rows, and queue it on the device."""
-        items, rows, row_seqs = [], [], []
+        items, rows, row_seqs, feature_items = [], [], [], []
         for i, c in enumerate(out.chunks):
             seq = c.seq
-            if c.is_prefill:
-                req = self._owner[seq.seq_id][0]
-                if req.num_cached_tokens is None:   # its first chunk starts after the hit
-                    req.num_cached_tokens = c.start
+            req = self._owner[seq.seq_id][0]
+            if c.is_prefill and req.num_cached_tokens is None:   # its first chunk starts after the hit
+                req.num_cached_tokens = c.start
+            item_features = self.features.item_features(req.features, c.start, c.num_tokens,
+                                                        c.needs_sample)
+            if item_features is not None:
+                feature_items.append(i)
             items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
-                                  seq.block_table))
+                                  seq.block_table, item_features))
             if c.needs_sample:
                 r = self._rows_for(i, seq)
                 rows.extend(r)
                 row_seqs.extend([seq] * len(r))
         if k > 1:
             pending = self.runner.dispatch_multi_decode(items, rows, k)
-        else:
-            pending = self.runner.dispatch(items, rows)
-        return _StepInFlight(pending, rows, row_seqs, out, k)
+        else:   # grammar masks are computed while the forward runs
+            fill = self.features.fill_masks if self.features.has_pending_masks else None
+            pending = self.runner.dispatch(items, rows, fill)
+        return _StepInFlight(pending, rows, row_seqs, out, k, feature_items=feature_items)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
@@ -379,6 +395,12 @@ class LLMEngine:
     def _apply(self, step: _StepInFlight, sample: HostSample, changed: dict[str, RequestOutput],
                only_finished: bool) -> None:
         rows, row_seqs = step.rows, step.row_seqs
+        if sample.spans is not None:   # prompt logprobs, hidden states of the work items
+            for i in step.feature_items:
+                c = step.sched.chunks[i]
+                if c.seq.seq_id in self._owner:
+                    req = self._owner[c.seq.seq_id][0]
+                    self.features.on_item_output(req.features, c.start, i, sample)
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         touched: dict[str, EngineRequest] = {}
@@ -403,11 +425,14 @@ class LLMEngine:
                 for j, child in enumerate(children, start=1):
                     req.samples.append(child)
                     self._owner[child.seq_id] = (req, j)
+                    self.features.on_fork(req.features, seq, child)
                 req.forked = True
+            hidden = (self.features.generated_hidden(req.features, rows[r].item, sample)
+                      if req.features is not None else None)
             for j in range(group):
                 target = req.samples[j] if group > 1 else seq
                 record(req, target, tokens[r + j], logprobs[r + j],
-                       sample.top_ids[r + j], sample.top_logprobs[r + j])
+                       sample.top_ids[r + j], sample.top_logprobs[r + j], hidden)
             touched[req.request_id] = req
             r += group
         for rid, req in beams.items():

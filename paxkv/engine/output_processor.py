@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from paxkv.engine.request_features import RequestFeatures
 from paxkv.engine.requests import EngineRequest, SamplingRequest
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence, SequenceStatus
@@ -17,8 +18,9 @@ class OutputProcessor:
     """Stop decisions and output assembly, shared by the synchronous and the async step."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, features: RequestFeatures | None = None) -> None:
         self.scheduler = scheduler
+        self.features = features
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -26,7 +28,8 @@ class OutputProcessor:
 
     # ---- one token ----------------------------------------------------------------------
     def record_token(self, req: SamplingRequest, seq: Sequence, token: int, logprob: float,
-                     top_ids: np.ndarray | tuple, top_lps: np.ndarray | tuple) -> None:
+                     top_ids: np.ndarray | tuple, top_lps: np.ndarray | tuple,
+                     hidden: np.ndarray | None = None) -> None:
         """A sampled token became known on the host: store it, its logprobs, and stop.
 
         The token is either new (appended) or the sequence's pending placeholder (resolved).
@@ -38,6 +41,8 @@ class OutputProcessor:
             seq.resolve_placeholder(token, logprob)
         else:
             seq.append_token(token, logprob)
+        if req.features is not None:
+            self.features.on_token(req.features, seq, token, hidden)
         self.num_output_tokens += 1
         if p.logprobs is not None:
             entry = {token: logprob}
@@ -103,12 +108,16 @@ class OutputProcessor:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=logprobs.get(s.seq_id) if p.logprobs is not None else None,
                 finish_reason=s.finish_reason if s.status.is_finished() else None,
-                stop_reason=s.stop_reason))
+                stop_reason=s.stop_reason,
+                hidden_states=RequestFeatures.hidden_states_of(req.features, s)))
         finished = req.aborted or req.finished
         if finished and p.best_of > p.n and not req.aborted:
             comps.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
             comps = comps[:p.n]
             for i, c in enumerate(comps):
                 c.index = i
+        prompt_logprobs = None
+        if req.features is not None and req.features.prompt_logprobs is not None:
+            prompt_logprobs = list(req.features.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens or 0, req.timing)
+                             req.num_cached_tokens or 0, req.timing, prompt_logprobs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from paxkv.engine.beam_search import BeamState
+from paxkv.engine.request_features import FeatureState
 from paxkv.engine.sequence import Sequence
 from paxkv.outputs import RequestMetrics
 from paxkv.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class EngineRequest:
     timing: RequestMetrics | None = None
     aborted: bool = False
     num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache
+    features: FeatureState | None = None   # penalties, grammar, prompt logprobs, hidden states
 
     @property
     def needs_host_sync(self) -> bool:
@@ -59,7 +61,9 @@ class SamplingRequest(EngineRequest):
 
     @property
     def needs_host_sync(self) -> bool:
-        return self.will_fork
+        # Sampling features keep per-sequence host state (grammar matchers, token counts,
+        # per-item outputs) that the next step's rows are built from.
+        return self.will_fork or self.features is not None
 
     @property
     def finished(self) -> bool:

@@ -97,6 +97,8 @@ class Sequence:
         self.fanout = fanout if fanout is not None else infer_fanout(params)
         self.num_preemptions = 0
         self.num_pending_tokens = 0   # trailing placeholder tokens (async scheduling)
+        # Prompt logprobs and full-prompt hidden states need every prompt token computed.
+        self.skip_prefix_cache = False
         # Owned by the BlockManager.
         self.block_table: list[int] = []
         self.block_hashes: list[tuple[int | None, tuple[int, ...]]] = []

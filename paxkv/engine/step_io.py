@@ -11,6 +11,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from paxkv.sampling.rows import FeatureSpans, ItemFeatures, RowFeatures
+
 
 @dataclasses.dataclass
 class WorkItem:
@@ -19,6 +21,7 @@ class WorkItem:
     token_ids: Sequence[int]     # the tokens computed this step
     start: int                   # position of the first of them
     block_table: Sequence[int]
+    features: ItemFeatures | None = None   # prompt logprobs / hidden states wanted back
 
 
 class SampleRow(NamedTuple):
@@ -33,6 +36,7 @@ class SampleRow(NamedTuple):
     step: int = 0
     banned: Sequence[int] = ()
     num_logprobs: int = 0
+    features: RowFeatures | None = None   # penalties, bias, bans, grammar mask
 
 
 @dataclasses.dataclass
@@ -41,6 +45,12 @@ class HostSample:
     logprobs: np.ndarray        # [R]
     top_ids: np.ndarray         # [R, K]
     top_logprobs: np.ndarray    # [R, K]
+    # Per work item, through `spans`: prompt logprobs and hidden states (empty when unasked).
+    prompt_logprobs: np.ndarray | None = None      # [P]
+    prompt_top_ids: np.ndarray | None = None       # [P, KP]
+    prompt_top_logprobs: np.ndarray | None = None  # [P, KP]
+    hidden: np.ndarray | None = None               # [H, len(spans.hidden_layers), hidden]
+    spans: FeatureSpans | None = None
 
 
 @dataclasses.dataclass

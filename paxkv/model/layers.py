@@ -151,22 +151,43 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, token_ids: jax.Array, positions: jax.Array, attention: AttentionFn,
-                 state: Any = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                 state: Any = None, logits_at: jax.Array | None = None,
+                 hidden_at: jax.Array | None = None,
+                 hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+        """-> (logits, state), or (logits, state, hidden `[H, len(hidden_layers), hidden]`
+        float32) when `hidden_layers` (static) names layers: the residual stream at token
+        indices `hidden_at`, layer i as transformers' hidden_states[i] (0: the embeddings,
+        num_layers: the final norm's output)."""
         c = self.cfg
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=nn.initializers.normal(INIT_STD), name="embed_tokens")
         x = embed(token_ids)
+        taken: dict[int, jax.Array] = {}
+
+        def take(layer: int, h: jax.Array, at: jax.Array | None) -> None:
+            if layer in hidden_layers:
+                flat = h.reshape(-1, c.hidden_size)
+                taken[layer] = (flat if at is None else flat[at]).astype(jnp.float32)
+
+        take(0, x, hidden_at)
         cos, sin = cos_sin(positions, c)
         for i in range(c.num_layers):
             x, state = DecoderLayer(c, i, self.dtype, name=f"layers_{i}")(x, cos, sin, attention, state)
+            if i + 1 < c.num_layers:
+                take(i + 1, x, hidden_at)
+        final = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
+        if c.num_layers in hidden_layers:
+            take(c.num_layers, final(x.reshape(-1, c.hidden_size)[hidden_at]), None)
         if logits_at is not None:
             x = x.reshape(-1, c.hidden_size)[logits_at]
-        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
+        x = final(x)
         if c.tie_word_embeddings:
             logits = jnp.einsum("...h,vh->...v", x, embed.embedding.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         else:
             logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
+        if hidden_layers:
+            return logits.astype(jnp.float32), state, jnp.stack([taken[i] for i in hidden_layers], 1)
         return logits.astype(jnp.float32), state
 
 

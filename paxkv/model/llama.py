@@ -46,12 +46,15 @@ def _check_batch(batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig) -> None:
 
 def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig, *,
             backend: str = "reference", decode_only: bool = False,
-            all_logits: bool = False, mesh: Any = None) -> tuple[jax.Array, KVPool]:
+            all_logits: bool = False, mesh: Any = None, hidden_at: jax.Array | None = None,
+            hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
     """One paged step -> (logits `[S, vocab]` float32 at `batch.logits_indices`, new pool).
 
     With `all_logits=True` the logits of every token are returned instead (`[T, vocab]`),
     e.g. for perplexity. `mesh` (static): the tensor-parallel mesh that `params` and
-    `kv_pool` are split over (`paxkv.parallel`); None runs on one device.
+    `kv_pool` are split over (`paxkv.parallel`); None runs on one device. With
+    `hidden_layers` (static) a third output holds those layers' residual stream at token
+    indices `hidden_at` (`Llama.__call__`), from the same pass.
     """
     _check_batch(batch, kv_pool, cfg)
     scale = cfg.head_dim ** -0.5
@@ -76,7 +79,8 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     model = Llama(cfg, params_dtype(params))
     logits_at = None if all_logits else batch.logits_indices
     return model.apply({"params": params}, batch.token_ids, batch.positions, paged_attention,
-                       kv_pool, logits_at=logits_at)
+                       kv_pool, logits_at=logits_at, hidden_at=hidden_at,
+                       hidden_layers=hidden_layers)
 
 
 def forward_all_logits(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig, *,
@@ -86,7 +90,8 @@ def forward_all_logits(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: M
 
 
 # The engine's step: the pool is donated so XLA updates its pages in place.
-forward_jit = jax.jit(forward, static_argnames=("cfg", "backend", "decode_only", "all_logits", "mesh"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "backend", "decode_only", "all_logits", "mesh",
+                                               "hidden_layers"),
                       donate_argnames=("kv_pool",))
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +24,18 @@ from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
 from paxkv.runner.buckets import pick_bucket, pow2_buckets
 from paxkv.sampler import SamplingTensors, sample
+from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
+_NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
 
 
-def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors]:
+def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors, jax.Array]:
+    """-> (batch, sampling tensors, hidden-state token indices)."""
     arrays = transfer.unpack_device(buf, spec)
     n = len(StepBatch._fields)
-    return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:])
+    m = n + len(SamplingTensors._fields)
+    return StepBatch(*arrays[:n]), SamplingTensors(*arrays[n:m]), arrays[m]
 
 
 def _feed(token_ids: jax.Array, prev_tokens: jax.Array) -> jax.Array:
@@ -45,9 +49,31 @@ def _pad_rows(tokens: jax.Array, num_rows: int) -> jax.Array:
     return jnp.zeros((num_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
 
+def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array,
+                           spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+                           hidden_layers: tuple[int, ...], mesh: Any) -> tuple:
+    """The forward of a step: -> (logits, each row's newest token, hidden or None, pool, st).
+
+    Prompt logprobs ask the model for logits at the prompt positions too (appended after the
+    S per-sequence rows); hidden states come out of the same forward pass.
+    """
+    from paxkv.model.llama import forward
+    batch, st, hidden_at = _unpack_inputs(inputs, spec)
+    batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
+    fed = batch.token_ids[batch.logits_indices[st.logits_rows]]    # each row's newest token
+    if st.prompt_positions.shape[0]:
+        batch = batch._replace(logits_indices=jnp.concatenate([batch.logits_indices,
+                                                               st.prompt_positions]))
+    out = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
+                  mesh=mesh, hidden_at=hidden_at, hidden_layers=hidden_layers)
+    hidden = out[2].reshape(-1) if hidden_layers else None
+    return out[0], fed, hidden, out[1], st
+
+
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
              spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
-             all_greedy: bool, num_logprobs: int,
+             all_greedy: bool, num_logprobs: int, num_prompt_logprobs: int = 0,
+             hidden_layers: tuple[int, ...] = (),
              mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
     tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`).
@@ -55,18 +81,48 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
     Also returns the sampled tokens padded to `prev_tokens`' length: the next step's
     `prev_tokens`, so placeholders can be filled without a round trip to the host.
     """
-    from paxkv.model.llama import forward
-    batch, st = _unpack_inputs(inputs, spec)
-    batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
-    logits, kv_pool = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
-                              mesh=mesh)
-    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs)
-    return (transfer.pack_device(tuple(result)), _pad_rows(result.tokens, prev_tokens.shape[0]),
+    logits, fed, hidden, kv_pool, st = _forward_with_features(
+        params, kv_pool, inputs, prev_tokens, spec, cfg, backend, decode_only, hidden_layers, mesh)
+    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs,
+                    num_prompt_logprobs=num_prompt_logprobs, fed_tokens=fed)
+    arrays = tuple(result) + ((hidden,) if hidden_layers else ())
+    return (transfer.pack_device(arrays), _pad_rows(result.tokens, prev_tokens.shape[0]),
             kv_pool)
 
 
 _jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
-                                               "num_logprobs", "mesh"), donate_argnums=(1,))
+                                               "num_logprobs", "num_prompt_logprobs",
+                                               "hidden_layers", "mesh"), donate_argnums=(1,))
+
+
+def _forward_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
+                spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+                hidden_layers: tuple[int, ...] = (), mesh: Any = None) -> tuple:
+    """The forward half of a split step: -> (logits, fed tokens, hidden or [0], new pool)."""
+    logits, fed, hidden, kv_pool, _ = _forward_with_features(
+        params, kv_pool, inputs, prev_tokens, spec, cfg, backend, decode_only, hidden_layers, mesh)
+    if hidden is None:
+        hidden = jnp.zeros((0,), jnp.float32)
+    return logits, fed, hidden, kv_pool
+
+
+def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax.Array,
+               masks: jax.Array, prev_tokens: jax.Array, *, spec: transfer.Spec, all_greedy: bool,
+               num_logprobs: int, num_prompt_logprobs: int,
+               has_hidden: bool) -> tuple[jax.Array, jax.Array]:
+    """The sampling half of a split step, with the grammar masks that arrived meanwhile."""
+    _, st, _ = _unpack_inputs(inputs, spec)
+    result = sample(logits, st._replace(masks=masks), all_greedy=all_greedy,
+                    num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs,
+                    fed_tokens=fed)
+    return (transfer.pack_device(tuple(result) + ((hidden,) if has_hidden else ())),
+            _pad_rows(result.tokens, prev_tokens.shape[0]))
+
+
+_jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "backend", "decode_only",
+                                                     "hidden_layers", "mesh"), donate_argnums=(1,))
+_jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "all_greedy", "num_logprobs",
+                                                   "num_prompt_logprobs", "has_hidden"))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
@@ -79,7 +135,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
     tokens and logprobs `[num_steps, rows]` packed in one buffer.
     """
     from paxkv.model.llama import forward
-    batch, st = _unpack_inputs(inputs, spec)
+    batch, st, _ = _unpack_inputs(inputs, spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     num_seqs = batch.context_lens.shape[0]
     block_size = kv_pool.block_size
@@ -93,7 +149,8 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
         logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True, mesh=mesh)
-        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0)
+        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0,
+                     fed_tokens=tokens)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
         inc = valid.astype(jnp.int32)
@@ -119,11 +176,13 @@ _gather_blocks = jax.jit(kvp.gather_blocks)          # pages and (quantized pool
 _scatter_blocks = jax.jit(kvp.scatter_blocks, donate_argnums=(0,))
 
 
-def _pack_inputs(batch: StepBatch, st: SamplingTensors,
-                 mesh: Any = None) -> tuple[jax.Array, transfer.Spec]:
+def _pack_inputs(batch: StepBatch, st: SamplingTensors, mesh: Any = None,
+                 hidden_at: np.ndarray | None = None) -> tuple[jax.Array, transfer.Spec]:
     """A step's host arrays -> one device buffer (one transfer; under tensor parallelism the
     same buffer to every device) and its static spec."""
-    buf, spec = transfer.pack_host(tuple(batch) + tuple(st))
+    if hidden_at is None:
+        hidden_at = np.zeros(0, np.int32)
+    buf, spec = transfer.pack_host(tuple(batch) + tuple(st) + (hidden_at,))
     if mesh is not None:
         from paxkv.parallel.sharding import put_replicated
         return put_replicated(buf, mesh), spec
@@ -294,9 +353,10 @@ class Runner:
                 ids = list(ids)[:NUM_BANNED]
                 banned[i, :len(ids)] = ids
         temperature = col(1, np.float32, 0.0)
+        features = pack_row_features(cols[9] if n else (), r, self.cfg.vocab_size)
         st = SamplingTensors(col(0, np.int32, 0), temperature, col(2, np.int32, -1),
                              col(3, np.float32, 1.0), col(4, np.float32, 0.0), col(5, np.int32, 0),
-                             col(6, np.int32, 0), banned)
+                             col(6, np.int32, 0), banned, *features, *_NO_PROMPT_LOGPROBS)
         all_greedy = not bool(np.any(temperature[:n] > 0.0))
         k = max(cols[8]) if n else 0
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
@@ -339,25 +399,62 @@ class Runner:
         return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
                                             new, t0, time.perf_counter(), pack_s, multi=True))
 
-    def dispatch(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> "PendingStep":
+    def dispatch(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                 fill_masks: Callable[[list[SampleRow]], list[SampleRow]] | None = None,
+                 ) -> "PendingStep":
         """Queue one step over `items` sampling `rows`; returns at once (JAX dispatch is
-        asynchronous), except for the first call of a shape bucket, which compiles."""
+        asynchronous), except for the first call of a shape bucket, which compiles.
+
+        `fill_masks` (structured outputs): rows whose grammar masks are still to be computed
+        -> the rows with them. The step then runs in two halves: the forward is dispatched
+        first, the host computes the masks while the device runs it, and the sampler follows
+        with the masks (one more small transfer).
+        """
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
+        hidden_at, spans = None, None
+        if any(it.features is not None for it in items):
+            prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(
+                [it.features for it in items], batch.cu_q_lens, batch.logits_indices)
+            st = st._replace(prompt_positions=prompt_pos, prompt_targets=prompt_targets)
+        kp = min(spans.num_prompt_logprobs, self.cfg.vocab_size) if spans else 0
+        layers = spans.hidden_layers if spans else ()
         pack_s = time.perf_counter() - t0
-        key = (batch.token_ids.shape[0], batch.context_lens.shape[0], batch.block_tables.shape[1],
-               st.seeds.shape[0], st.banned.shape[1], decode_only, all_greedy, k)
+        masks_shape = st.masks.shape
+        if fill_masks is not None:     # the masks travel in the second half
+            st = st._replace(masks=np.zeros((0, masks_shape[1]), np.int32))
+        inputs, spec = _pack_inputs(batch, st, self.mesh, hidden_at)
+        key = (spec, decode_only, all_greedy, k, kp, layers, fill_masks is not None, masks_shape)
         new = key not in self.compiled_keys
-        inputs, spec = _pack_inputs(batch, st, self.mesh)
-        out, self._last_tokens, self.kv_pool = _jit_step(
-            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy, num_logprobs=k,
-            mesh=self.mesh)
+        if fill_masks is None:
+            out, self._last_tokens, self.kv_pool = _jit_step(
+                self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
+                backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
+                num_logprobs=k, num_prompt_logprobs=kp, hidden_layers=layers, mesh=self.mesh)
+        else:
+            logits, fed, hidden, self.kv_pool = _jit_forward(
+                self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
+                backend=self.backend, decode_only=decode_only, hidden_layers=layers, mesh=self.mesh)
+            t_mask = time.perf_counter()
+            rows = fill_masks(list(rows))          # host work while the device runs the forward
+            masks = pack_masks([r.features for r in rows], self.cfg.vocab_size)
+            pack_s += time.perf_counter() - t_mask
+            out, self._last_tokens = _jit_sample(
+                logits, fed, hidden, inputs, self._ids(masks), self._last_tokens, spec=spec,
+                all_greedy=all_greedy, num_logprobs=k, num_prompt_logprobs=kp,
+                has_hidden=bool(layers))
         r = st.seeds.shape[0]
-        out_spec = (((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"))
-        return self._dispatched(PendingStep(out, out_spec, len(rows), k, key, new, t0,
-                                            time.perf_counter(), pack_s))
+        p = st.prompt_positions.shape[0]
+        out_spec = [((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"),
+                    ((p,), "float32"), ((p, kp), "int32"), ((p, kp), "float32")]
+        if layers:
+            h = 0 if hidden_at is None else hidden_at.shape[0]
+            out_spec.append(((h, len(layers), self.cfg.hidden_size), "float32"))
+        pending = PendingStep(out, tuple(out_spec), len(rows), k, key, new, t0,
+                              time.perf_counter(), pack_s)
+        pending.spans, pending.has_hidden = spans, bool(layers)
+        return self._dispatched(pending)
 
     def fetch(self, pending: "PendingStep") -> tuple[HostSample, StepTiming]:
         """Wait for a dispatched step and bring its sampled ids to the host. The timing's
@@ -371,7 +468,8 @@ class Runner:
             host = HostSample(arrays[0][:, :n], arrays[1][:, :n],
                               np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
         else:
-            host = HostSample(*arrays)
+            host = HostSample(*arrays[:7], hidden=arrays[7] if pending.has_hidden else None,
+                              spans=pending.spans)
         timing.device_s = time.perf_counter() - t_wait
         timing.host_s = pending.t_dispatched - pending.t_start
         return host, timing
@@ -381,7 +479,7 @@ class Runner:
         the compiled program (so it does not depend on what else the process allocated)."""
         batch, decode_only = self.pack(items)
         st, all_greedy, k = self.pack_sampling(rows)
-        inputs, spec = _pack_inputs(batch, st, self.mesh)
+        inputs, spec = _pack_inputs(batch, st, self.mesh, None)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
             backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
@@ -403,9 +501,11 @@ class Runner:
         self.kv_pool = None
         self.host_pool = None
 
-    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> tuple[HostSample, StepTiming]:
+    def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                fill_masks: Callable[[list[SampleRow]], list[SampleRow]] | None = None,
+                ) -> tuple[HostSample, StepTiming]:
         """Run one step over `items` and sample `rows`; blocks until the sampled ids are on host."""
-        return self.fetch(self.dispatch(items, rows))
+        return self.fetch(self.dispatch(items, rows, fill_masks))
 
     def execute_multi_decode(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
                              num_steps: int) -> tuple[HostSample, StepTiming]:
@@ -428,3 +528,5 @@ class PendingStep:
     pack_s: float
     multi: bool = False
     compile_s: float = 0.0          # set at dispatch for a new bucket
+    spans: Any = None               # prompt logprobs / hidden states: where each item's are
+    has_hidden: bool = False

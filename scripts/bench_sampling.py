@@ -1,0 +1,230 @@
+"""What the sampling features cost at batch-256 decode: penalties, structured outputs, neither.
+
+One run, on the same weights, pool and decode batch (every sequence at the same context),
+times the runner's decode step end to end: packing on the host, one transfer in, the jitted
+step (forward + sampler), one transfer out, synchronized on the sampled ids. Cases:
+
+- today: the same forward with the sampler as it was before the features existed (a copy of
+  its body kept here as the baseline);
+- off: the current sampler with no row using any feature (must equal today);
+- penalties: presence, frequency and repetition penalties on every row (history = the
+  whole context, counted on the device);
+- off_again: `off` repeated last, to show drift over the run;
+- structured: a JSON schema on a quarter of the rows; every step the host fills the
+  llguidance masks for those rows (in llguidance's thread pool) while the device runs the
+  forward, the sampler applies them, and the host advances the matchers on the sampled ids. The grammar runs over the embedded model's tokenizer
+  (4,096 tokens, ids widened to the 8B vocabulary), so the host share is a lower bound for a
+  128k-token tokenizer; the device share is at full width.
+
+Median of `--steps` steps after `--warmup` (compilation excluded).
+
+    PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir results
+    PYTHONPATH=. python3 scripts/bench_sampling.py --smoke --out_dir /tmp/s   # CPU, seconds
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "llama3-8b", "preset (random bf16 weights)")
+flags.DEFINE_integer("batch", 256, "decode rows")
+flags.DEFINE_integer("context", 512, "tokens of context per row")
+flags.DEFINE_integer("steps", 40, "timed steps per case")
+flags.DEFINE_integer("warmup", 5, "untimed steps per case (the first compiles)")
+flags.DEFINE_float("structured_fraction", 0.25, "share of rows with a JSON schema")
+flags.DEFINE_bool("smoke", False, "CPU check: tiny-random, batch 8, context 40")
+flags.DEFINE_string("out_dir", "results", "where sampling.md and sampling.json go")
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def today_step_fn():
+    """The jitted step with the sampler's body as it was before the features (baseline)."""
+    import jax
+    import jax.numpy as jnp
+
+    from paxkv.model.llama import forward
+    from paxkv.runner import transfer
+    from paxkv.runner.runner import _unpack_inputs
+    from paxkv.sampler import _filtered_sample
+
+    def step(params, pool, inputs, *, spec, cfg, backend, decode_only):
+        batch, st, _ = _unpack_inputs(inputs, spec)
+        logits, pool = forward(params, batch, pool, cfg, backend=backend, decode_only=decode_only)
+        rows = logits[st.logits_rows].astype(jnp.float32)
+        raw = jax.nn.log_softmax(rows, axis=-1)
+        greedy = jnp.argmax(rows, axis=-1).astype(jnp.int32)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(st.seeds, st.steps)
+        temp = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
+        sampled = jax.vmap(_filtered_sample)(rows / temp, st.top_k, st.top_p, st.min_p, keys)
+        tokens = jnp.where(st.temperature > 0, sampled, greedy)
+        chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        return transfer.pack_device((tokens, chosen)), pool
+
+    return jax.jit(step, static_argnames=("spec", "cfg", "backend", "decode_only"), donate_argnums=(1,))
+
+
+def median_ms(fn, steps: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+            "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "steps": steps}
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    from paxkv import LLM
+    from paxkv.engine.step_io import SampleRow, WorkItem
+    from paxkv.runner.runner import _pack_inputs
+    from paxkv.sampling.rows import RowFeatures
+
+    model, batch, ctx, steps, warmup = FLAGS.model, FLAGS.batch, FLAGS.context, FLAGS.steps, FLAGS.warmup
+    if FLAGS.smoke:
+        model, batch, ctx = "tiny-random", 8, 40
+    bs = 16
+    per_seq = math.ceil((ctx + 1) / bs)
+    llm = LLM(model, num_gpu_blocks_override=batch * per_seq + 2, max_num_seqs=batch,
+              max_model_len=max(2048, ctx + 64) if not FLAGS.smoke else 128,
+              max_num_batched_tokens=max(batch, 256), block_size=bs, tokenizer=None,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    cfg = runner.cfg
+    rng = np.random.default_rng(0)
+    items = [WorkItem([int(rng.integers(3, cfg.vocab_size))], ctx - 1,
+                      list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)]
+    plain = [SampleRow(i, 0.8, -1, 0.95, 0.0, i, 7) for i in range(batch)]
+    results = {"model": model, "batch": batch, "context": ctx, "jax": jax.__version__,
+               "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "cases": {}}
+
+    today = today_step_fn()
+
+    def run_today():
+        b, decode_only = runner.pack(items)
+        st, _, _ = runner.pack_sampling(plain)
+        inputs, spec = _pack_inputs(b, st)
+        out, runner.kv_pool = today(runner.params, runner.kv_pool, inputs, spec=spec, cfg=cfg,
+                                    backend=runner.backend, decode_only=decode_only)
+        np.asarray(out)
+
+    cases = results["cases"]
+    cases["today"] = median_ms(run_today, steps, warmup)
+    print("today", cases["today"], flush=True)
+    cases["off"] = median_ms(lambda: runner.execute(items, plain), steps, warmup)
+    print("off", cases["off"], flush=True)
+
+    history = [rng.integers(3, cfg.vocab_size, ctx - 1).astype(np.int32) for _ in range(batch)]
+    penalized = [r._replace(features=RowFeatures(penalties=(0.4, 0.3, 1.15), history=h,
+                                                 output_start=ctx // 2))
+                 for r, h in zip(plain, history)]
+    cases["penalties"] = median_ms(lambda: runner.execute(items, penalized), steps, warmup)
+    print("penalties", cases["penalties"], flush=True)
+
+    try:
+        cases["structured"] = structured_case(runner, items, plain, steps, warmup, batch)
+        print("structured", cases["structured"], flush=True)
+    except ImportError as e:
+        cases["structured"] = {"skipped": f"llguidance is not installed ({e})"}
+    cases["off_again"] = median_ms(lambda: runner.execute(items, plain), steps, warmup)
+    print("off_again", cases["off_again"], flush=True)
+    write_report(results)
+
+
+def structured_case(runner, items, plain, steps, warmup, batch) -> dict:
+    """A JSON schema on a quarter of the rows: masks filled on the host each step."""
+    import numpy as np
+
+    import llguidance  # noqa: F401  (ImportError: the case is skipped)
+    from paxkv.assets import tiny_model_dir
+    from paxkv.engine.structured_output import StructuredOutputs
+    from paxkv.sampling.rows import RowFeatures
+    from paxkv.sampling_params import StructuredOutputsParams
+    from paxkv.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir())
+    so = StructuredOutputs(tok, runner.cfg.vocab_size, tok.eos_token_ids)
+    params = StructuredOutputsParams(json=SCHEMA)
+    m = max(1, int(round(batch * FLAGS.structured_fraction)))
+    constrained = list(range(0, batch, batch // m))[:m]
+    matchers = [so.compile(params) for _ in constrained]
+    host_s = []
+
+    pending = list(plain)
+    for i in constrained:
+        pending[i] = pending[i]._replace(features=RowFeatures(mask="pending"))
+
+    def fill(rows):   # as the engine does: runs on the host while the forward runs
+        t0 = time.perf_counter()
+        masks = so.fill_masks(matchers)
+        for j, i in enumerate(constrained):
+            rows[i] = rows[i]._replace(features=RowFeatures(mask=masks[j]))
+        host_s.append(time.perf_counter() - t0)
+        return rows
+
+    def step():
+        sample, _ = runner.execute(items, pending, fill)
+        t1 = time.perf_counter()
+        for j, i in enumerate(constrained):
+            mt = matchers[j]
+            so.consume(mt, int(sample.tokens[i]))
+            if mt.is_stopped() or mt.is_error():
+                mt.reset()
+        host_s.append(time.perf_counter() - t1)
+
+    out = median_ms(step, steps, warmup)
+    per_step = [a + b for a, b in zip(host_s[0::2], host_s[1::2])][warmup:]
+    out["host_mask_ms"] = 1e3 * float(np.median(per_step))
+    out["rows"] = m
+    return out
+
+
+def write_report(results: dict) -> None:
+    c = results["cases"]
+    base = c["off"]["median_ms"]
+    lines = [f"# Sampling features: cost at batch-{results['batch']} decode",
+             "",
+             f"Command: `PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir DIR` "
+             f"({results['model']}, random bf16 weights, {results['batch']} rows at context "
+             f"{results['context']}); {results['device']}, JAX {results['jax']}. Median of "
+             "device-synchronized runner decode steps (host packing, transfers, forward and "
+             "sampler) after warm-up.", "",
+             "| case | median ms | p90 ms | vs off | target |", "| --- | --- | --- | --- | --- |"]
+    targets = {"today": "", "off": "= today", "penalties": "<= +3%", "structured": "<= +10%",
+               "off_again": "drift check"}
+    for name in ("today", "off", "penalties", "structured", "off_again"):
+        r = c.get(name, {})
+        if "median_ms" not in r:
+            lines.append(f"| {name} | {r.get('skipped', 'not run')} | | | {targets[name]} |")
+            continue
+        rel = 100.0 * (r["median_ms"] / base - 1.0)
+        extra = f" (host masks {r['host_mask_ms']:.2f} ms, {r['rows']} rows)" if "host_mask_ms" in r else ""
+        lines.append(f"| {name}{extra} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {rel:+.1f}% | "
+                     f"{targets[name]} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if FLAGS.out_dir:
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+        with open(os.path.join(FLAGS.out_dir, "sampling.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(FLAGS.out_dir, "sampling.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
