@@ -91,12 +91,14 @@ def write(s: configs.SharedPrefixSettings, rows: list[dict[str, Any]], skipped: 
     lines = []
     for g in names:
         for p in s.policies:
-            rs = sorted((r for r in rows if r["group"] == g and r["policy"] == p), key=lambda r: r["rate"])
+            rs = sorted((r for r in rows if r["group"] == g and r["policy"] == p and not r["cut_off"]),
+                        key=lambda r: r["rate"])
             if rs:
                 top = rs[-1]
                 lines.append([g, p, f"{top['rate']:g}", f"{top['prefill_tokens'] / max(1, top['num_requests']):.0f}",
                               f"{top['mean_batch']:.1f}", top["max_blocks_used"], top["preemptions"]])
-    table += "\n\n## Where the prefix goes, at the highest rate run\n\n" + common.markdown_table(
+    table += "\n\n## Where the prefix goes, at each engine's busiest rate that was not cut off\n\n"
+    table += common.markdown_table(
         ["group", "policy", "rate (req/s)", "prefill tokens computed per request", "mean batch", "most blocks used",
          "preemptions"], lines)
     table += "\n\n## Every rate\n\n" + load_sweep.rate_table(rows, names, s.policies)
