@@ -94,8 +94,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                         help="tokenizer directory (default: the checkpoint's own)")
     parser.add_argument("--max-waiting-requests", type=int, default=10_000,
                         help="requests without a first token at most; beyond, new ones get 503")
-    parser.add_argument("--max-logprobs", type=int, default=20,
-                        help="largest logprobs / top_logprobs a request may ask for")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight responses get to finish after SIGTERM")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -148,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     state = ServerState(llm, args.served_model_name or [args.model], api_key=args.api_key,
                         max_waiting_requests=args.max_waiting_requests,
-                        max_logprobs=args.max_logprobs)
+                        max_logprobs=llm.config.max_logprobs)
     app = build_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
