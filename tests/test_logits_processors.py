@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="torch (the transformers reference) is not installed")
 from transformers.generation.logits_process import (NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
