@@ -98,7 +98,7 @@ class LLMEngine:
             num_layers=self.model_config.num_layers)
         self.features = RequestFeatures(tokenizer, self.model_config.vocab_size, sorted(eos))
         self.output_processor = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids,
-                                                self.max_model_len, self.features)
+                                                self.max_model_len, self.features, self.metrics)
 
     # ---- requests -------------------------------------------------------------------------
     def _register(self, req: EngineRequest, seq: Seq) -> None:
@@ -314,7 +314,6 @@ class LLMEngine:
             python_s=0.0 if compile_s else wall - device_s))
         self.metrics.prefix_cache_queries = bm.prefix_cache_queries
         self.metrics.prefix_cache_hits = bm.prefix_cache_hits
-        self.metrics.num_output_tokens = self.output_processor.num_output_tokens
         self._step_index += 1
         return list(changed.values())
 

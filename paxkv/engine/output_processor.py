@@ -11,6 +11,7 @@ from paxkv.engine.request_features import RequestFeatures
 from paxkv.engine.requests import EngineRequest, SamplingRequest
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence, SequenceStatus
+from paxkv.metrics import Metrics
 from paxkv.outputs import CompletionOutput, RequestOutput
 
 
@@ -18,13 +19,14 @@ class OutputProcessor:
     """Stop decisions and output assembly, shared by the synchronous and the async step."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None, eos_token_ids: frozenset[int],
-                 max_model_len: int, features: RequestFeatures | None = None) -> None:
+                 max_model_len: int, features: RequestFeatures | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.scheduler = scheduler
+        self.metrics = metrics if metrics is not None else Metrics()
         self.features = features
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.num_output_tokens = 0
 
     # ---- one token ----------------------------------------------------------------------
     def record_token(self, req: SamplingRequest, seq: Sequence, token: int, logprob: float,
@@ -43,7 +45,7 @@ class OutputProcessor:
             seq.append_token(token, logprob)
         if req.features is not None:
             self.features.on_token(req.features, seq, token, hidden)
-        self.num_output_tokens += 1
+        self.metrics.num_output_tokens += 1
         if p.logprobs is not None:
             entry = {token: logprob}
             entry.update({int(t): float(lp) for t, lp in zip(top_ids[:p.logprobs], top_lps[:p.logprobs])})
