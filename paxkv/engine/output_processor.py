@@ -60,10 +60,10 @@ class OutputProcessor:
                 self.scheduler.finish(seq, status)
 
     def reaches_length_limit(self, req: SamplingRequest, seq: Sequence) -> bool:
-        """Whether the sequence ends by length once its newest (pending) token exists."""
+        """Whether the sequence ends by length once its newest (possibly pending) token
+        exists: max_tokens (never below min_tokens, SamplingParams checks) or max_model_len."""
         p = req.params
-        n_out = seq.num_output_tokens
-        if p.max_tokens is not None and n_out >= p.max_tokens and n_out >= p.min_tokens:
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return True
         return seq.num_tokens >= self.max_model_len
 
@@ -84,9 +84,7 @@ class OutputProcessor:
                     if at >= 0:
                         req.texts[seq.seq_id] = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                         return SequenceStatus.FINISHED_STOPPED, s
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
+        if self.reaches_length_limit(req, seq):
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None
 
