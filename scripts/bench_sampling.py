@@ -9,14 +9,17 @@ step (forward + sampler), one transfer out, synchronized on the sampled ids. Cas
 - off: the current sampler with no row using any feature (must equal today);
 - penalties: presence, frequency and repetition penalties on every row (history = the
   whole context, counted on the device);
-- off_again: `off` repeated last, to show drift over the run;
 - structured: a JSON schema on a quarter of the rows; every step the host fills the
   llguidance masks for those rows (in llguidance's thread pool) while the device runs the
   forward, the sampler applies them, and the host advances the matchers on the sampled ids. The grammar runs over the embedded model's tokenizer
   (4,096 tokens, ids widened to the 8B vocabulary), so the host share is a lower bound for a
   128k-token tokenizer; the device share is at full width.
 
-Median of `--steps` steps after `--warmup` (compilation excluded).
+The cases run interleaved, `--rounds` rounds of `--steps` steps each (today, off, penalties,
+structured, today, off, ...) after `--warmup` steps of each (compilation excluded), so slow
+drift of the machine over the run touches every case alike. Reported: the median step of each
+case over all its rounds, and the median over rounds of each round's ratio to `off` (the
+cost figure: both medians of a ratio come from steps run side by side).
 
     PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir results
     PYTHONPATH=. python3 scripts/bench_sampling.py --smoke --out_dir /tmp/s   # CPU, seconds
@@ -35,7 +38,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama3-8b", "preset (random bf16 weights)")
 flags.DEFINE_integer("batch", 256, "decode rows")
 flags.DEFINE_integer("context", 512, "tokens of context per row")
-flags.DEFINE_integer("steps", 40, "timed steps per case")
+flags.DEFINE_integer("steps", 20, "timed steps per case and round")
+flags.DEFINE_integer("rounds", 6, "rounds over the cases, interleaved")
 flags.DEFINE_integer("warmup", 5, "untimed steps per case (the first compiles)")
 flags.DEFINE_float("structured_fraction", 0.25, "share of rows with a JSON schema")
 flags.DEFINE_bool("smoke", False, "CPU check: tiny-random, batch 8, context 40")
@@ -73,16 +77,42 @@ def today_step_fn():
     return jax.jit(step, static_argnames=("spec", "cfg", "backend", "decode_only"), donate_argnums=(1,))
 
 
-def median_ms(fn, steps: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
+def timed(fn, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "steps": steps}
+    return times
+
+
+def interleaved(cases: dict, steps: int, warmup: int, rounds: int) -> dict:
+    """Run every case `rounds` times in turn; per case, its step times of every round."""
+    for name, fn in cases.items():
+        timed(fn, warmup)
+        print("warm", name, flush=True)
+    times = {name: [] for name in cases}
+    for k in range(rounds):
+        for name, fn in cases.items():
+            times[name].append(timed(fn, steps))
+        print(f"round {k + 1}/{rounds}", {n: round(1e3 * statistics.median(t[-1]), 3)
+                                           for n, t in times.items()}, flush=True)
+    return times
+
+
+def summarize(times: dict, base: str = "off") -> dict:
+    """Median, p90 and min over all steps; median over rounds of the round's median / base's."""
+    out = {}
+    for name, per_round in times.items():
+        flat = sorted(t for r in per_round for t in r)
+        ratios = [statistics.median(r) / statistics.median(b) for r, b in zip(per_round, times[base])]
+        out[name] = {"median_ms": 1e3 * statistics.median(flat), "min_ms": 1e3 * flat[0],
+                     "p90_ms": 1e3 * flat[int(0.9 * (len(flat) - 1))],
+                     "round_medians_ms": [1e3 * statistics.median(r) for r in per_round],
+                     "ratio_to_off": statistics.median(ratios),
+                     "ratio_spread": [min(ratios), max(ratios)],
+                     "steps": len(flat), "rounds": len(per_round)}
+    return out
 
 
 def main(argv):
@@ -96,8 +126,9 @@ def main(argv):
     from paxkv.sampling.rows import RowFeatures
 
     model, batch, ctx, steps, warmup = FLAGS.model, FLAGS.batch, FLAGS.context, FLAGS.steps, FLAGS.warmup
+    rounds = FLAGS.rounds
     if FLAGS.smoke:
-        model, batch, ctx = "tiny-random", 8, 40
+        model, batch, ctx, steps, warmup, rounds = "tiny-random", 8, 40, 3, 2, 2
     bs = 16
     per_seq = math.ceil((ctx + 1) / bs)
     llm = LLM(model, num_gpu_blocks_override=batch * per_seq + 2, max_num_seqs=batch,
@@ -111,7 +142,8 @@ def main(argv):
                       list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)]
     plain = [SampleRow(i, 0.8, -1, 0.95, 0.0, i, 7) for i in range(batch)]
     results = {"model": model, "batch": batch, "context": ctx, "jax": jax.__version__,
-               "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "cases": {}}
+               "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+               "steps_per_round": steps, "rounds": rounds, "warmup": warmup}
 
     today = today_step_fn()
 
@@ -123,32 +155,27 @@ def main(argv):
                                     backend=runner.backend, decode_only=decode_only)
         np.asarray(out)
 
-    cases = results["cases"]
-    cases["today"] = median_ms(run_today, steps, warmup)
-    print("today", cases["today"], flush=True)
-    cases["off"] = median_ms(lambda: runner.execute(items, plain), steps, warmup)
-    print("off", cases["off"], flush=True)
-
     history = [rng.integers(3, cfg.vocab_size, ctx - 1).astype(np.int32) for _ in range(batch)]
     penalized = [r._replace(features=RowFeatures(penalties=(0.4, 0.3, 1.15), history=h,
                                                  output_start=ctx // 2))
                  for r, h in zip(plain, history)]
-    cases["penalties"] = median_ms(lambda: runner.execute(items, penalized), steps, warmup)
-    print("penalties", cases["penalties"], flush=True)
-
+    cases = {"today": run_today, "off": lambda: runner.execute(items, plain),
+             "penalties": lambda: runner.execute(items, penalized)}
+    host_s: list[float] = []
     try:
-        cases["structured"] = structured_case(runner, items, plain, steps, warmup, batch)
-        print("structured", cases["structured"], flush=True)
+        cases["structured"], rows = structured_case(runner, items, plain, batch, host_s)
     except ImportError as e:
-        cases["structured"] = {"skipped": f"llguidance is not installed ({e})"}
-    cases["off_again"] = median_ms(lambda: runner.execute(items, plain), steps, warmup)
-    print("off_again", cases["off_again"], flush=True)
+        results["structured_skipped"] = f"llguidance is not installed ({e})"
+    results["cases"] = summarize(interleaved(cases, steps, warmup, rounds))
+    if "structured" in cases:   # host time of the timed steps only (two entries per step)
+        per_step = [a + b for a, b in zip(host_s[0::2], host_s[1::2])][warmup:]
+        results["cases"]["structured"].update(host_mask_ms=1e3 * float(np.median(per_step)), rows=rows)
     write_report(results)
 
 
-def structured_case(runner, items, plain, steps, warmup, batch) -> dict:
-    """A JSON schema on a quarter of the rows: masks filled on the host each step."""
-    import numpy as np
+def structured_case(runner, items, plain, batch, host_s: list) -> tuple:
+    """A JSON schema on a quarter of the rows: masks filled on the host each step.
+    Returns (the step, rows constrained); the host's time per step goes to `host_s`."""
 
     import llguidance  # noqa: F401  (ImportError: the case is skipped)
     from paxkv.assets import tiny_model_dir
@@ -163,7 +190,6 @@ def structured_case(runner, items, plain, steps, warmup, batch) -> dict:
     m = max(1, int(round(batch * FLAGS.structured_fraction)))
     constrained = list(range(0, batch, batch // m))[:m]
     matchers = [so.compile(params) for _ in constrained]
-    host_s = []
 
     pending = list(plain)
     for i in constrained:
@@ -187,34 +213,32 @@ def structured_case(runner, items, plain, steps, warmup, batch) -> dict:
                 mt.reset()
         host_s.append(time.perf_counter() - t1)
 
-    out = median_ms(step, steps, warmup)
-    per_step = [a + b for a, b in zip(host_s[0::2], host_s[1::2])][warmup:]
-    out["host_mask_ms"] = 1e3 * float(np.median(per_step))
-    out["rows"] = m
-    return out
+    return step, m
 
 
 def write_report(results: dict) -> None:
     c = results["cases"]
-    base = c["off"]["median_ms"]
     lines = [f"# Sampling features: cost at batch-{results['batch']} decode",
              "",
              f"Command: `PYTHONPATH=. python3 scripts/bench_sampling.py --out_dir DIR` "
              f"({results['model']}, random bf16 weights, {results['batch']} rows at context "
-             f"{results['context']}); {results['device']}, JAX {results['jax']}. Median of "
-             "device-synchronized runner decode steps (host packing, transfers, forward and "
-             "sampler) after warm-up.", "",
+             f"{results['context']}); {results['device']}, JAX {results['jax']}. Device-synchronized "
+             "runner decode steps (host packing, transfers, forward and sampler), the cases "
+             f"interleaved: {results['rounds']} rounds of {results['steps_per_round']} steps each "
+             f"after {results['warmup']} warm-up steps. `vs off` is the median over rounds of the "
+             "round's median step against `off`'s in the same round (range over rounds in "
+             "brackets).", "",
              "| case | median ms | p90 ms | vs off | target |", "| --- | --- | --- | --- | --- |"]
-    targets = {"today": "", "off": "= today", "penalties": "<= +3%", "structured": "<= +10%",
-               "off_again": "drift check"}
-    for name in ("today", "off", "penalties", "structured", "off_again"):
-        r = c.get(name, {})
-        if "median_ms" not in r:
-            lines.append(f"| {name} | {r.get('skipped', 'not run')} | | | {targets[name]} |")
+    targets = {"today": "", "off": "= today", "penalties": "<= +3%", "structured": "<= +10%"}
+    for name in ("today", "off", "penalties", "structured"):
+        r = c.get(name)
+        if r is None:
+            lines.append(f"| {name} | {results.get(name + '_skipped', 'not run')} | | | {targets[name]} |")
             continue
-        rel = 100.0 * (r["median_ms"] / base - 1.0)
+        lo, hi = (100.0 * (x - 1.0) for x in r["ratio_spread"])
+        rel = f"{100.0 * (r['ratio_to_off'] - 1.0):+.1f}% [{lo:+.1f}, {hi:+.1f}]"
         extra = f" (host masks {r['host_mask_ms']:.2f} ms, {r['rows']} rows)" if "host_mask_ms" in r else ""
-        lines.append(f"| {name}{extra} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {rel:+.1f}% | "
+        lines.append(f"| {name}{extra} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {rel} | "
                      f"{targets[name]} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -129,3 +129,114 @@ def test_abort_while_a_step_is_in_flight():
     got = [[(c.token_ids, c.finish_reason, c.text, None) for c in finals[r].outputs] for r in ("1", "2")]
     assert got == want
     assert_no_leaks(llm)
+
+
+# ---- sampling features: only structured outputs need the host between steps -------------------
+AUSTEN = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome,",
+          "Mr. Darcy said", "She was"]
+
+
+def _feature_params() -> list[SamplingParams]:
+    """One row per feature, greedy and seeded, beside plain rows (the prompts cycle)."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=20),                               # plain
+        SamplingParams(temperature=0.0, max_tokens=20, bad_words=["be happy", "very happy", "to see"]),
+        SamplingParams(temperature=0.0, max_tokens=18, presence_penalty=0.8, frequency_penalty=0.5,
+                       repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=17, repetition_penalty=1.2,
+                       frequency_penalty=0.4),
+        SamplingParams(temperature=0.0, max_tokens=16, logit_bias={13: 5.0, 42: -100.0, 7: 2.5}),
+        SamplingParams(temperature=0.8, seed=9, top_p=0.9, max_tokens=15,
+                       allowed_token_ids=[13, 42, 7, 99, 300, 1024, 2]),
+        SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=3, logprobs=1),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=14, return_hidden_states=[0, 2]),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=19),                        # plain
+        SamplingParams(temperature=0.0, max_tokens=21, bad_words=["I am"], presence_penalty=-0.5,
+                       prompt_logprobs=0, return_hidden_states=[1]),
+        SamplingParams(n=2, best_of=3, temperature=0.8, seed=2, max_tokens=10, frequency_penalty=0.5,
+                       logit_bias={13: 1.5}),                 # forks (sync once), then async
+    ]
+
+
+def _everything(out) -> tuple:
+    """All a RequestOutput carries that features touch, comparable with ==."""
+    comps = []
+    for c in out.outputs:
+        hidden = None if c.hidden_states is None else {k: v.tolist() for k, v in c.hidden_states.items()}
+        comps.append((c.token_ids, c.finish_reason, c.cumulative_logprob, c.logprobs, hidden))
+    return out.prompt_token_ids, out.prompt_logprobs, comps
+
+
+def _drive(prompts, params, **kw):
+    """Step an engine to the end by hand; also whether a step was ever left in flight (the
+    asynchronous path) while a request with features was live."""
+    llm = LLM("tiny", compilation_cache_dir=None, **kw)
+    engine = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    finals, overlapped = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+        live = [r for r in engine.requests.values() if r.features is not None]
+        overlapped += engine._in_flight is not None and bool(live)
+    assert_no_leaks(llm)
+    return llm, [_everything(finals[str(i)]) for i in range(len(prompts))], overlapped
+
+
+def _same_features(prompts, params, **kw):
+    sync_llm, want, overlapped = _drive(prompts, params, async_scheduling=False, **kw)
+    assert overlapped == 0
+    async_llm, got, overlapped = _drive(prompts, params, async_scheduling=True, **kw)
+    assert overlapped > 0               # the features ran asynchronously
+    for g, w in zip(got, want):
+        assert g == w
+    return async_llm, got
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_features_run_async_and_equal_sync(steps):
+    """With num_scheduler_steps=4 the plain rows may run several steps per call, never the
+    rows with features."""
+    params = _feature_params()
+    prompts = [AUSTEN[i % len(AUSTEN)] for i in range(len(params))]
+    llm, got = _same_features(prompts, params, num_scheduler_steps=steps)
+    tok = llm.llm_engine.tokenizer
+    banned = tok.encode(" be happy", add_special_tokens=False)
+    assert len(banned) == 2
+
+    def has(ids, word):
+        return any(ids[j:j + len(word)] == word for j in range(len(ids)))
+    assert has(got[0][2][0][0], banned) and not has(got[1][2][0][0], banned)   # the ban acted
+    prompt_ids, prompt_logprobs, _ = got[6]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(prompt_ids)
+    assert all(len(d) >= 3 for d in prompt_logprobs[1:])
+    tokens, hidden = got[7][2][0][0], got[7][2][0][4]
+    assert sorted(hidden) == [0, 2] and len(hidden[0]) == len(tokens)
+    assert set(got[5][2][0][0]) <= {13, 42, 7, 99, 300, 1024, 2}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_features_under_preemption(mode):
+    params = _feature_params()
+    prompts = [AUSTEN[i % len(AUSTEN)] + " " + AUSTEN[(i + 1) % len(AUSTEN)] for i in range(len(params))]
+    llm, _ = _same_features(prompts, params, num_gpu_blocks_override=16, max_model_len=128,
+                            preemption_mode=mode, swap_space=0.01)
+    assert llm.metrics.summary()["preemptions"] > 0
+
+
+def test_structured_outputs_and_forks_keep_the_step_synchronous():
+    from paxkv.sampling_params import StructuredOutputsParams
+    llm = LLM("tiny", compilation_cache_dir=None)
+    engine = llm.llm_engine
+    engine.add_request("pen", AUSTEN[0], SamplingParams(max_tokens=4, repetition_penalty=1.2))
+    assert not engine._needs_sync()
+    engine.add_request("fork", AUSTEN[1], SamplingParams(max_tokens=4, n=2))
+    assert engine._needs_sync()                 # until its first token forks it
+    engine.add_request("json", AUSTEN[2], SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True)))
+    while engine.has_unfinished_requests():
+        engine.step()
+        if "json" in engine.requests:
+            assert engine._in_flight is None

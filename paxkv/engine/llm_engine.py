@@ -9,8 +9,9 @@ before it reads step t's tokens, so the host's scheduling and packing of t+1 ove
 device's work on t. Tokens sampled at step t enter step t+1 on the device (as placeholders
 on the host, `engine/sequence.py`); the host reads them one step behind, only to emit
 outputs and check stops. A sequence that stopped at step t has its step t+1 token
-discarded. Requests whose next step depends on the host (forks, beams) make that step
-synchronous. Outputs are identical to the synchronous engine's, token for token.
+discarded. Requests whose next step depends on the host (forks, beams, structured outputs)
+make that step synchronous; penalties, bias, bans, prompt logprobs and hidden states do not.
+Outputs are identical to the synchronous engine's, token for token.
 """
 from __future__ import annotations
 
@@ -341,8 +342,9 @@ class LLMEngine:
         """How many decode steps to run in one device call (1 = an ordinary step).
 
         Several steps per host round trip only when the batch is plain decoding: no block
-        movement, no pending fork (n > 1 before its first token), no beams, no logprobs or
-        min_tokens bans, and room in the pool for every sequence's next k tokens.
+        movement, no pending fork (n > 1 before its first token), no beams, no logprobs,
+        min_tokens bans or sampling features, and room in the pool for every sequence's next
+        k tokens.
         """
         k = self.num_scheduler_steps
         if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
@@ -354,7 +356,8 @@ class LLMEngine:
             req, _ = self._owner[c.seq.seq_id]
             p = req.params
             if (c.num_tokens != 1 or not c.needs_sample or req.needs_host_sync
-                    or p.logprobs is not None or c.seq.num_output_tokens < p.min_tokens):
+                    or req.features is not None or p.logprobs is not None
+                    or c.seq.num_output_tokens < p.min_tokens):
                 return 1
             longest = max(longest, c.seq.num_tokens)
         k = min(k, self.max_model_len - longest + 1)

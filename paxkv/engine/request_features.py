@@ -132,6 +132,9 @@ class RequestFeatures:
         if state.needs_history:
             tokens = state.tokens[seq.seq_id]
             fed = seq.num_tokens - 1            # tokens before the one this step feeds
+            if len(tokens) < fed:               # the fed token may be a placeholder, no other
+                raise RuntimeError(f"sequence {seq.seq_id}: history of {len(tokens)} tokens "
+                                   f"known, {fed} needed")
             if p.uses_penalties:
                 lo = 0
             else:                              # bad words look only at the recent outputs

@@ -61,9 +61,11 @@ class SamplingRequest(EngineRequest):
 
     @property
     def needs_host_sync(self) -> bool:
-        # Sampling features keep per-sequence host state (grammar matchers, token counts,
-        # per-item outputs) that the next step's rows are built from.
-        return self.will_fork or self.features is not None
+        # A fork happens on the host once the first token is read. Of the sampling features
+        # only structured outputs need step t's token before step t+1 (its grammar mask);
+        # penalties and bad words count the history the host knows plus the token the device
+        # feeds, and per-item outputs are read back with the step they belong to.
+        return self.will_fork or (self.features is not None and self.params.needs_host_sync)
 
     @property
     def finished(self) -> bool:

@@ -39,21 +39,45 @@ def contexts(history: jax.Array, meta: jax.Array, fed: jax.Array) -> tuple[jax.A
     return tokens, in_use, in_use & (pos >= meta[:, 1:2])
 
 
+def _output_counts(keys: jax.Array, is_output: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sorted `keys [R, C]`, how often each sorted key occurs among the outputs).
+
+    Sorting each row's context puts equal ids side by side; an occurrence count is then the
+    difference of a running sum across its run of equal ids. Cost O(R C log C), free of V.
+    """
+    width = keys.shape[1]
+    keys, outs = jax.lax.sort((keys, is_output.astype(jnp.int32)), dimension=1, num_keys=1)
+    pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], keys.shape)
+    edge = keys[:, 1:] != keys[:, :-1]
+    first = jnp.concatenate([jnp.ones_like(edge[:, :1]), edge], axis=1)   # a run starts here
+    last = jnp.concatenate([edge, jnp.ones_like(edge[:, :1])], axis=1)    # a run ends here
+    run_start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)
+    run_end = jax.lax.cummin(jnp.where(last, pos, width - 1), axis=1, reverse=True)
+    running = jnp.cumsum(outs, axis=1)
+    before = jnp.take_along_axis(running - outs, run_start, axis=1)
+    return keys, jnp.take_along_axis(running, run_end, axis=1) - before
+
+
 def apply_penalties(logits: jax.Array, penalties: jax.Array, tokens: jax.Array, in_use: jax.Array,
                     is_output: jax.Array) -> jax.Array:
     """Repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor),
     then OpenAI's frequency and presence penalties over the output. `penalties [R, 3]` =
-    (presence, frequency, repetition); the neutral row (0, 0, 1) leaves its logits unchanged."""
-    rows, vocab = logits.shape
-    r = _row_index(tokens.shape)
-    seen = jnp.zeros((rows, vocab), jnp.bool_).at[r, _ids_or_drop(tokens, in_use, vocab)].set(
-        True, mode="drop")
-    counts = jnp.zeros((rows, vocab), jnp.float32).at[r, _ids_or_drop(tokens, is_output, vocab)].add(
-        1.0, mode="drop")
+    (presence, frequency, repetition); the neutral row (0, 0, 1) leaves its logits unchanged.
+
+    Only the logits of the context's tokens change, so they are gathered, penalized and set
+    back: `[R, C]` work (C = context width) instead of dense `[R, V]` seen/count arrays. A
+    token repeated in the context is set several times to the same value.
+    """
+    vocab = logits.shape[1]
+    valid = in_use & (tokens >= 0) & (tokens < vocab)
+    keys, counts = _output_counts(jnp.where(valid, tokens, vocab), is_output & valid)
+    r = _row_index(keys.shape)
+    x = jnp.take_along_axis(logits, jnp.minimum(keys, vocab - 1), axis=1)
     presence, frequency, repetition = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]
-    penalized = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    logits = jnp.where(seen, penalized, logits)
-    return logits - frequency * counts - presence * (counts > 0).astype(jnp.float32)
+    penalized = jnp.where(x > 0, x / repetition, x * repetition)
+    c = counts.astype(jnp.float32)
+    penalized = penalized - frequency * c - presence * (c > 0).astype(jnp.float32)
+    return logits.at[r, keys].set(penalized, mode="drop")
 
 
 def apply_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:

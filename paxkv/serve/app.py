@@ -131,7 +131,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = await _parse(request, proto.CompletionRequest)
         params = _prepare(state, body, {}, body.logprobs, "logprobs")
         prompts = body.prompts()
-        ids = [_check_prompt(state, p, params, "prompt") for p in prompts]
+        ids = [_check_prompt(state, p, params, "prompt", body) for p in prompts]
         texts = [p if isinstance(p, str) else _decode(state, i) for p, i in zip(prompts, ids)]
         return await _respond(state, request, body, params, ids,
                               _CompletionFormat(state, body, texts))
@@ -148,7 +148,7 @@ def build_app(state: ServerState) -> FastAPI:
                                              add_generation_prompt=body.add_generation_prompt)
         except ValueError as e:
             raise from_value_error(e, default="messages") from None
-        ids = [_check_prompt(state, prompt, params, "messages")]
+        ids = [_check_prompt(state, prompt, params, "messages", body)]
         return await _respond(state, request, body, params, ids, _ChatFormat(state, body))
 
     return app
@@ -208,11 +208,14 @@ def _prepare(state: ServerState, body: proto.SamplingFields, renames: dict[str, 
     return params
 
 
-def _check_prompt(state: ServerState, prompt: Any, params: SamplingParams, field: str) -> list[int]:
+def _check_prompt(state: ServerState, prompt: Any, params: SamplingParams, field: str,
+                  body: proto.SamplingFields) -> list[int]:
+    """The engine's checks; a grammar that does not compile names the field that gave it."""
+    renames = {"prompt": field, "structured_outputs": body.structured_field() or "structured_outputs"}
     try:
         return state.loop.check(prompt, params)
     except ValueError as e:
-        raise from_value_error(e, {"prompt": field}, default=field) from None
+        raise from_value_error(e, renames, default=field) from None
 
 
 def _decode(state: ServerState, ids: list[int]) -> str:
@@ -304,6 +307,8 @@ async def _respond(state: ServerState, request: Request, body: proto.SamplingFie
     async def collect() -> None:
         async for k, update in _merged(state, request_id, ids, params, stream=False):
             usage[0][k], usage[1][k] = update.num_prompt_tokens, update.num_output_tokens
+            if update.prompt_logprobs is not None:
+                fmt.prompt_logprobs[k] = update.prompt_logprobs
             for d in update.deltas:
                 finals[(k, d.index)] = d
 
@@ -374,6 +379,17 @@ class _Format:
         self.created = int(time.time())
         self.untokenized = state.tokenizer is None
         self.offsets: dict[int, int] = {}
+        self.prompt_logprobs: dict[int, list] = {}   # per prompt, when asked for (not streamed)
+
+    def prompt_logprobs_of(self, k: int) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's shape: per prompt token, None for the first, else {token id: {logprob,
+        decoded_token}} holding the token itself and the top k."""
+        entries = self.prompt_logprobs.get(k)
+        if entries is None:
+            return None
+        return [None if e is None else
+                {str(t): {"logprob": lp, "decoded_token": _token_str(self.state, t)} for t, lp in e.items()}
+                for e in entries]
 
     def first_chunk(self, index: int, k: int) -> dict[str, Any] | None:
         return None
@@ -418,8 +434,11 @@ class _CompletionFormat(_Format):
 
     def choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
         echo = self.prompt_texts[k] if self.body.echo else ""
-        return {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        out = {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
+               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_of(k)
+        return out
 
     def stream_choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
         echo = self._echo(index, k)   # the prompt once, in the first delta of each choice
@@ -470,5 +489,8 @@ class _ChatFormat(_Format):
 
     def response(self, request_id: str, choices: list[dict[str, Any]],
                  usage: dict[str, int]) -> dict[str, Any]:
-        return {"id": request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": usage}
+        out = {"id": request_id, "object": "chat.completion", "created": self.created,
+               "model": self.model, "choices": choices, "usage": usage}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_of(0)
+        return out

@@ -50,6 +50,7 @@ class Update:
     num_prompt_tokens: int
     num_output_tokens: int          # all samples, so far
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the final update
 
 
 class EngineError(RuntimeError):
@@ -242,7 +243,8 @@ class EngineLoop:
                 deltas = []
             else:
                 continue
-            batch.append((t.sink, Update(deltas, out.finished, len(out.prompt_token_ids), total)))
+            batch.append((t.sink, Update(deltas, out.finished, len(out.prompt_token_ids), total,
+                                         prompt_logprobs=out.prompt_logprobs if out.finished else None)))
         return batch
 
     def _delta(self, t: _Tracked, c: CompletionOutput, final: bool) -> SampleDelta:

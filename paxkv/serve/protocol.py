@@ -4,6 +4,10 @@ Types are checked strictly (a string where a number belongs is a 400, not a sile
 value ranges are not re-checked here: `to_sampling_params` builds `SamplingParams`, whose
 own checks (the engine's) raise a ValueError naming the field. Fields OpenAI defines that
 the engine cannot honour are rejected when set, never silently ignored.
+
+Structured outputs come in by OpenAI's `response_format` (json_object, json_schema), vLLM's
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or vLLM's
+`structured_outputs` object; at most one of them per request. Errors name the field used.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from paxkv.sampling_params import SamplingParams
+from paxkv.sampling_params import SamplingParams, StructuredOutputsParams
 
 class OpenAIModel(BaseModel):
     # Unknown fields are kept (and reported in a warning) so newer clients still work.
@@ -23,6 +27,30 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or a named JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIModel):
+    """vLLM's `structured_outputs` request object (exactly one field set)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -47,18 +75,72 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) of the first set field the engine cannot honour."""
-        if self.presence_penalty:
-            return "presence_penalty", "presence_penalty is not supported (must be 0)"
-        if self.frequency_penalty:
-            return "frequency_penalty", "frequency_penalty is not supported (must be 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs cannot be streamed"
         return None
+
+    def structured_field(self) -> str | None:
+        """The one request field asking for structured outputs (ValueError naming them if
+        several do); None for none."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give one way to structure the output, got {', '.join(given)}")
+        return given[0] if given else None
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """StructuredOutputsParams of the structured-output field; ValueError names it."""
+        field = self.structured_field()
+        if field is None:
+            return None
+        if field == "response_format":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                kw: dict[str, Any] = {"json_object": True}
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            else:
+                kw = {"json": fmt.json_schema.schema_}
+        elif field == "structured_outputs":
+            so = self.structured_outputs
+            kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                  "json_object": bool(so.json_object)}
+        else:
+            kw = {field[len("guided_"):]: getattr(self, field)}
+        try:
+            return StructuredOutputsParams(**kw)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(field) else f"{field}: {msg}") from None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias keys are token ids written as strings."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+        return out
 
     def common_params(self, max_tokens: int | None, logprobs: int | None,
                       best_of: int | None = None) -> SamplingParams:
@@ -72,6 +154,11 @@ class SamplingFields(OpenAIModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured_params(),
             detokenize=False)   # the server detokenizes incrementally itself
 
     @property
@@ -102,7 +189,7 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs needs prompt logprobs, which are not supported"
+            return "echo", "echo with logprobs is not supported (prompt_logprobs gives the prompt's)"
         if self.stream and self.best_of is not None and self.best_of > self.n:
             return "best_of", "best_of > n cannot be streamed"
         return super().unsupported()
@@ -137,13 +224,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools are not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "response_format other than text is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
         return super().unsupported()
