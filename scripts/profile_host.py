@@ -49,7 +49,7 @@ class StubRunner(Runner):
         return (HostSample(np.full(shape, 7, np.int32), np.zeros(shape, np.float32),
                            np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)), StepTiming())
 
-    def dispatch(self, items, rows):
+    def dispatch(self, items, rows, fill_masks=None):
         return _StubPending(*self._stub(items, rows, 1))
 
     def dispatch_multi_decode(self, items, rows, num_steps):
