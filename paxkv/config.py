@@ -274,20 +274,26 @@ class EngineConfig:
         if max_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")
-        blocks, bs = self.cache.num_gpu_blocks, self.cache.block_size
-        need = _cdiv(max_len, bs) + 1
-        if blocks is not None and blocks < need:
-            # The scheduler's progress guarantee: the oldest request always fits alone.
-            raise ValueError(
-                f"num_gpu_blocks {blocks} cannot hold one sequence of max_model_len {max_len} "
-                f"({need - 1} blocks of {bs} plus the null block): raise "
-                "gpu_memory_utilization / num_gpu_blocks_override or lower max_model_len")
+        check_pool_fits(self.cache, self.scheduler)
 
     def with_pool(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
         """This config once the KV pool is sized (checked: it holds one full-length sequence)."""
         cache = dataclasses.replace(self.cache, num_gpu_blocks=num_gpu_blocks,
                                     num_cpu_blocks=num_cpu_blocks)
         return dataclasses.replace(self, cache=cache)
+
+
+def check_pool_fits(cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+    """The scheduler's progress guarantee: a sized pool holds one `max_model_len` sequence
+    alone, so the oldest request always fits. (EngineConfig checks it; a scheduler built by
+    hand, as the simulator does, calls it.)"""
+    blocks, bs, max_len = cache.num_gpu_blocks, cache.block_size, scheduler.max_model_len
+    need = _cdiv(max_len, bs) + 1
+    if blocks is not None and blocks < need:
+        raise ValueError(
+            f"num_gpu_blocks {blocks} cannot hold one sequence of max_model_len {max_len} "
+            f"({need - 1} blocks of {bs} plus the null block): raise "
+            "gpu_memory_utilization / num_gpu_blocks_override or lower max_model_len")
 
 
 # Before the pool is sized, the runner that profiles the largest step gets the smallest pool:

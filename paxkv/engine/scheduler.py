@@ -22,7 +22,8 @@ once). Only a group that cannot fit the pool even alone loses members one at a t
 
 Progress is guaranteed: the oldest request always gets its blocks (newer ones are preempted
 for it), and with nothing running the admission watermark and the batch-slot limit are
-waived, so the head of the queue always fits (`max_model_len` must fit the pool: checked).
+waived, so the head of the queue always fits (`max_model_len` must fit the pool: checked by
+`EngineConfig`).
 
 The engine's loop: `out = schedule()`; run `out` on the device (swap-out copies, then swap-in
 copies, then copy-on-write copies, then the forward pass; the copies whenever present, even
