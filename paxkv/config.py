@@ -268,8 +268,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         max_len = self.scheduler.max_model_len
         if max_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "

@@ -85,7 +85,7 @@ class LLMEngine:
         self._beam_results: dict[str, BeamRequest] = {}
         self._in_flight: _StepInFlight | None = None
         self._step_index = 0
-        self.num_scheduler_steps = max(1, int(config.num_scheduler_steps))
+        self.num_scheduler_steps = config.num_scheduler_steps
         self.async_scheduling = bool(config.async_scheduling)
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
