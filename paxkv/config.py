@@ -11,6 +11,10 @@ import json
 import os
 from typing import Any, Mapping
 
+DTYPES = ("bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+ATTENTION_BACKENDS = ("reference", "pallas")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -172,7 +176,12 @@ def get_preset(name: str) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """KV page pool. num_gpu_blocks_override wins; else profile the accelerator's memory."""
+    """KV page pool. num_gpu_blocks_override wins; else profile the accelerator's memory.
+
+    `num_gpu_blocks` / `num_cpu_blocks` (vLLM's names) are the pool's size once known: the
+    engine sizes the pool and carries the result in a copy of this config
+    (`EngineConfig.with_pool`), which the block manager, scheduler and runner then read.
+    """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -182,18 +191,28 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     # On CPU there is no device memory to profile: this many blocks unless overridden.
     cpu_default_num_blocks: int = 2048
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new prefills
+    num_gpu_blocks: int | None = None  # device blocks, null block included; None: not sized yet
+    num_cpu_blocks: int = 0            # host swap blocks
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise ValueError("num_gpu_blocks_override must be >= 2 (block 0 is the null block)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported "
+                             f"(one of {KV_CACHE_DTYPES})")
+        for field in ("num_gpu_blocks_override", "num_gpu_blocks"):
+            value = getattr(self, field)
+            if value is not None and value < 2:
+                raise ValueError(f"{field} must be >= 2 (block 0 is the null block), got {value}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +225,6 @@ class SchedulerConfig:
     policy: str = "continuous"  # or "static"
     preemption_mode: str = "recompute"  # or "swap"
     enable_chunked_prefill: bool = True
-    watermark: float = 0.01  # fraction of blocks kept free when admitting new prefills
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
@@ -219,17 +237,160 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off: a whole prefill must fit a step")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """Everything one engine is built from; the checks that span several configs live here."""
+
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"         # or "float32", or "auto" (bfloat16 on GPU, float32 elsewhere)
     attention_backend: str = "auto"  # "reference", "pallas", or "auto" (pallas on GPU)
     tensor_parallel_size: int = 1
     seed: int = 0
     num_scheduler_steps: int = 1  # decode steps per host round trip (multi-step decoding)
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens
     max_logprobs: int = 20        # cap on logprobs / prompt_logprobs per request (vLLM's)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS + ('auto',)}, "
+                             f"got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        max_len = self.scheduler.max_model_len
+        if max_len > self.model.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {self.model.max_position_embeddings}")
+        check_pool_fits(self.cache, self.scheduler)
+
+    def with_pool(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
+        """This config once the KV pool is sized (checked: it holds one full-length sequence)."""
+        cache = dataclasses.replace(self.cache, num_gpu_blocks=num_gpu_blocks,
+                                    num_cpu_blocks=num_cpu_blocks)
+        return dataclasses.replace(self, cache=cache)
+
+
+def check_pool_fits(cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+    """The scheduler's progress guarantee: a sized pool holds one `max_model_len` sequence
+    alone, so the oldest request always fits. (EngineConfig checks it; a scheduler built by
+    hand, as the simulator does, calls it.)"""
+    blocks, bs, max_len = cache.num_gpu_blocks, cache.block_size, scheduler.max_model_len
+    need = _cdiv(max_len, bs) + 1
+    if blocks is not None and blocks < need:
+        raise ValueError(
+            f"num_gpu_blocks {blocks} cannot hold one sequence of max_model_len {max_len} "
+            f"({need - 1} blocks of {bs} plus the null block): raise "
+            "gpu_memory_utilization / num_gpu_blocks_override or lower max_model_len")
+
+
+# Before the pool is sized, the runner that profiles the largest step gets the smallest pool:
+# the null block and one more (its block tables point at the null block).
+PROFILE_NUM_BLOCKS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Everything the runner needs, derived once by `runner_config` (not built by hand).
+
+    Frozen and hashable. Shapes are the buckets every step is padded to: tokens of a
+    prefill/mixed step, sequences (rows of the batch), block-table width, sampling rows, and
+    block copies (copy-on-write, swap).
+    """
+
+    model: ModelConfig
+    dtype: str                      # the weights' and activations' dtype, resolved
+    kv_cache_dtype: str             # the pages' storage dtype, resolved: a concrete name
+    attention_backend: str          # resolved: "reference" or "pallas"
+    block_size: int
+    num_blocks: int                 # device blocks, null block included
+    num_host_blocks: int            # host swap pool (0: none)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    fixed_shapes: bool
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    block_buckets: tuple[int, ...]
+    row_buckets: tuple[int, ...]
+    copy_buckets: tuple[int, ...]
+    tensor_parallel_size: int = 1
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return _cdiv(self.max_model_len, self.block_size)
+
+
+def resolve_dtype(dtype: str, platform: str) -> str:
+    """"auto" -> bfloat16 on GPU, float32 elsewhere."""
+    if dtype == "auto":
+        return "bfloat16" if platform == "gpu" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
+    return dtype
+
+
+def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
+    """Derive the runner's settings from the engine's config and the platform JAX runs on
+    ("gpu", "cpu", ...): dtypes and backend resolved, shape buckets, fixed shapes.
+
+    On GPU (`fixed_shapes`) block tables are always `max_model_len` wide and prefill/mixed
+    steps always `max_num_seqs` rows, so a whole run compiles a handful of programs (the
+    Pallas kernels loop over real lengths, so the padding costs them nothing), and decode
+    steps pad to at least 8 rows: on an H200 one 8B decode stream took 4.62 ms per token
+    padded to 8 rows against 5.50 ms padded to 64 (results/step_profile.md), while each
+    smaller bucket costs one more compiled program.
+
+    Before the pool is sized (`engine.cache.num_gpu_blocks` None) the config is the profile
+    run's: `PROFILE_NUM_BLOCKS` blocks and no host pool.
+    """
+    if not isinstance(platform, str) or not platform:
+        raise ValueError(f"platform must name JAX's backend ('gpu', 'cpu', ...), got {platform!r}")
+    on_gpu = platform == "gpu"
+    cache, sched = engine.cache, engine.scheduler
+    dtype = resolve_dtype(engine.dtype, platform)
+    kv = cache.kv_cache_dtype
+    kv = dtype if kv == "auto" else ("fp8_e4m3" if kv == "fp8" else kv)
+    backend = engine.attention_backend
+    if backend == "auto":
+        backend = "pallas" if on_gpu else "reference"
+    sized = cache.num_gpu_blocks is not None
+    num_blocks = cache.num_gpu_blocks if sized else PROFILE_NUM_BLOCKS
+    num_host_blocks = cache.num_cpu_blocks if sized else 0
+    min_seqs, min_tokens = (8, 256) if on_gpu else (4, 16)
+    max_blocks = _cdiv(sched.max_model_len, cache.block_size)
+    return RunnerConfig(
+        model=engine.model, dtype=dtype, kv_cache_dtype=kv, attention_backend=backend,
+        block_size=cache.block_size, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+        max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=sched.max_model_len, fixed_shapes=on_gpu,
+        token_buckets=pow2_buckets(min_tokens, max(min_tokens, sched.max_num_batched_tokens)),
+        seq_buckets=pow2_buckets(min_seqs, max(min_seqs, sched.max_num_seqs)),
+        block_buckets=(max_blocks,) if on_gpu else pow2_buckets(4, max(4, max_blocks)),
+        row_buckets=pow2_buckets(4, max(4, sched.max_num_seqs * 4)),
+        copy_buckets=pow2_buckets(4, max(4, num_blocks)),
+        tensor_parallel_size=engine.tensor_parallel_size)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to (and including) hi, hi itself as the last bucket."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)

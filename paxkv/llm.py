@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 from typing import Any, Sequence
 
-from paxkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype,
+                          runner_config)
 from paxkv.engine.beam_search import BeamSearchOutput, run_beam_search
 from paxkv.engine.llm_engine import LLMEngine, Prompt
 from paxkv.engine.request_features import POOLINGS, EncodeSpec, RequestFeatures
@@ -81,18 +81,14 @@ class LLM:
         import jax
         import jax.numpy as jnp
 
-        from paxkv.model.attention import resolve_backend
         from paxkv.runner import Runner
         from paxkv.runner.compile_cache import enable_compilation_cache
-        from paxkv.runner.memory import num_kv_blocks
+        from paxkv.runner.memory import block_bytes_per_device, num_kv_blocks, num_swap_blocks
 
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
 
-        on_gpu = jax.default_backend() == "gpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if on_gpu else "float32"
-        if dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
+        platform = jax.default_backend()
+        dtype = resolve_dtype(dtype, platform)
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         path, cfg = _resolve_model(model)
         mesh = None
@@ -120,9 +116,6 @@ class LLM:
         self.tokenizer = tokenizer
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 8192)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {cfg.max_position_embeddings}")
         cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                             num_gpu_blocks_override=num_gpu_blocks_override,
                             kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
@@ -133,45 +126,21 @@ class LLM:
                                 max_model_len=max_model_len, policy=scheduler,
                                 preemption_mode=preemption_mode,
                                 enable_chunked_prefill=enable_chunked_prefill)
-        backend = resolve_backend(attention_backend)
-        if num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
-        self.config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=backend,
-                                   tensor_parallel_size=tensor_parallel_size, seed=seed,
-                                   num_scheduler_steps=num_scheduler_steps,
-                                   async_scheduling=async_scheduling, max_logprobs=max_logprobs)
-        kv_dtype = jdtype if kv_cache_dtype == "auto" else _kv_dtype(kv_cache_dtype)
-        # Pages plus, for 8-bit pools, their per-token scales: what init_pool allocates.
-        from paxkv.cache.kv_pool import block_bytes
-        # Under tensor parallelism each device holds 1 / tensor_parallel_size of every block
-        # (its KV heads): pool sizing and swap space count one device's share.
-        bytes_per_block = block_bytes(cfg, block_size, kv_dtype) // tensor_parallel_size
-        num_blocks = num_kv_blocks(cache, params, bytes_per_block, profile=dict(
-            cfg=cfg, backend=backend, block_size=block_size, kv_dtype=kv_dtype,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=max_model_len, mesh=mesh))
+        config = EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=attention_backend,
+                              tensor_parallel_size=tensor_parallel_size, seed=seed,
+                              num_scheduler_steps=num_scheduler_steps,
+                              async_scheduling=async_scheduling, max_logprobs=max_logprobs)
+        profile = runner_config(config, platform)   # the pool not sized yet
+        num_blocks = num_kv_blocks(cache, params, profile, mesh)
         if multi_process:   # every process must build the same pool: process 0's measure
             from paxkv.parallel import multihost
             num_blocks = multihost.agree(num_blocks)
-        need = math.ceil(max_model_len / block_size) + 1
-        if num_blocks < need:
-            raise ValueError(
-                f"num_gpu_blocks {num_blocks} cannot hold one sequence of max_model_len "
-                f"{max_model_len} ({need - 1} blocks of {block_size} plus the null block): raise "
-                "gpu_memory_utilization / num_gpu_blocks_override or lower max_model_len")
-        num_host_blocks = int(swap_space * 2**30 // bytes_per_block) if preemption_mode == "swap" else 0
-        # GPU decode steps pad to at least 8 rows: on an H200 one 8B decode stream took 4.62 ms
-        # per token padded to 8 rows against 5.50 ms padded to 64 (results/step_profile.md),
-        # while each smaller bucket costs one more compiled program.
-        runner = Runner(cfg, params, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
-                        backend=backend, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=sched.max_num_batched_tokens,
-                        max_model_len=max_model_len, num_host_blocks=num_host_blocks,
-                        min_seq_bucket=8 if on_gpu else 4, min_token_bucket=256 if on_gpu else 16,
-                        fixed_shapes=on_gpu, mesh=mesh)
+        self.config = config.with_pool(
+            num_blocks, num_swap_blocks(config, block_bytes_per_device(profile)))
+        runner = Runner(params, runner_config(self.config, platform), mesh)
         if multi_process and multihost.is_driver():   # announce each device call to the workers
             runner = multihost.DriverRunner(runner)
-        self.llm_engine = LLMEngine(self.config, runner, tokenizer, num_blocks, num_host_blocks)
+        self.llm_engine = LLMEngine(self.config, runner, tokenizer)
         self._request_counter = itertools.count()
 
     @property
@@ -272,9 +241,3 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-
-def _kv_dtype(name: str) -> Any:
-    """Storage dtype of the KV pages for a `kv_cache_dtype` name other than "auto"; the
-    8-bit ones (fp8 = fp8_e4m3, fp8_e5m2, int8) make a quantized pool with scales."""
-    from paxkv.cache.quant import storage_dtype
-    return storage_dtype(name)

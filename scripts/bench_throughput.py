@@ -417,8 +417,9 @@ def main(argv):
             result[f"paxkv_{name}_subset"] = run_engine(engine, sub, f"paxkv-{name}-subset")
             print(json.dumps(result[f"paxkv_{name}_subset"]), flush=True)
             static_cfg = dataclasses.replace(
-                engine.config, scheduler=dataclasses.replace(engine.config.scheduler, policy="static"))
-            static = LLMEngine(static_cfg, engine.runner, None, engine.metrics.num_blocks, 0)
+                engine.config, scheduler=dataclasses.replace(engine.config.scheduler, policy="static"),
+                cache=dataclasses.replace(engine.config.cache, num_cpu_blocks=0))
+            static = LLMEngine(static_cfg, engine.runner, None)
             static.num_scheduler_steps = engine.num_scheduler_steps
             result[f"static_{name}_subset"] = run_engine(static, sub, f"static-{name}")
             print(json.dumps(result[f"static_{name}_subset"]), flush=True)

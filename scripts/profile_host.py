@@ -16,11 +16,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-from paxkv.config import PRESETS, CacheConfig, EngineConfig, SchedulerConfig
+from paxkv.config import PRESETS, CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig, runner_config
 from paxkv.engine.llm_engine import LLMEngine
 from paxkv.engine.step_io import HostSample, StepTiming
 from paxkv.runner import Runner
-from paxkv.runner.buckets import pow2_buckets
 from paxkv.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -32,12 +31,9 @@ flags.DEFINE_integer("calls", 100, "engine steps timed after the prefill")
 class StubRunner(Runner):
     """The runner's packing on GPU-style fixed shapes, with the device call replaced."""
 
-    def __init__(self, cfg, max_num_seqs: int, max_model_len: int) -> None:  # noqa: D107
-        self.cfg, self.block_size, self.fixed_shapes = cfg, 16, True
-        self.token_buckets = pow2_buckets(256, 8192)
-        self.seq_buckets = pow2_buckets(64, max(64, max_num_seqs))
-        self.block_buckets = [max_model_len // 16]
-        self.row_buckets = pow2_buckets(4, 4 * max_num_seqs)
+    def __init__(self, config: RunnerConfig) -> None:  # noqa: D107
+        self.config = config
+        self._take_shapes(config)
         self.num_compilations = 0
 
     def swap_out(self, pairs) -> None:
@@ -53,7 +49,7 @@ class StubRunner(Runner):
         return (HostSample(np.full(shape, 7, np.int32), np.zeros(shape, np.float32),
                            np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)), StepTiming())
 
-    def dispatch(self, items, rows):
+    def dispatch(self, items, rows, fill_masks=None):
         return _StubPending(*self._stub(items, rows, 1))
 
     def dispatch_multi_decode(self, items, rows, num_steps):
@@ -75,8 +71,8 @@ def main(argv: list[str]) -> None:
     cfg = PRESETS["llama3-8b"]
     sched = SchedulerConfig(max_num_seqs=FLAGS.batch, max_num_batched_tokens=8192, max_model_len=2048)
     config = EngineConfig(cfg, CacheConfig(block_size=16, num_gpu_blocks_override=40000), sched,
-                          num_scheduler_steps=FLAGS.num_scheduler_steps)
-    engine = LLMEngine(config, StubRunner(cfg, FLAGS.batch, 2048), None, 40000, 0)
+                          num_scheduler_steps=FLAGS.num_scheduler_steps).with_pool(40000)
+    engine = LLMEngine(config, StubRunner(runner_config(config, platform="gpu")), None)
     rng = np.random.default_rng(0)
     for i in range(FLAGS.batch):
         engine.add_request(str(i), rng.integers(0, 1000, size=512).tolist(),

@@ -194,7 +194,8 @@ def main(argv):
     import jax
 
     from paxkv import LLM
-    from paxkv.runner.buckets import pick_bucket, pow2_buckets
+    from paxkv.config import pow2_buckets
+    from paxkv.runner.buckets import pick_bucket
 
     result: dict = {"command": " ".join(sys.argv), "jax": jax.__version__,
                     "device": str(jax.devices()[0].device_kind)}
@@ -225,8 +226,8 @@ def main(argv):
         cases = [(b, None) for b in batches] + [
             (b, int(m)) for m in FLAGS.decode_bucket_mins for b in batches]
         for b, bucket_min in cases:
-            runner.seq_buckets = default_buckets if bucket_min is None else pow2_buckets(
-                bucket_min, max(bucket_min, default_buckets[-1]))
+            runner.seq_buckets = default_buckets if bucket_min is None else list(pow2_buckets(
+                bucket_min, max(bucket_min, default_buckets[-1])))
             row = profile_batch(runner, b)
             row["kv_cache_dtype"] = kv_dtype
             row["decode_rows"] = pick_bucket(b, runner.seq_buckets)

@@ -7,9 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from paxkv.cache.block_manager import BlockManager
+from paxkv.config import CacheConfig
 from paxkv.engine.scheduler import ScheduledChunk
 from paxkv.engine.sequence import Sequence, SequenceStatus
 from paxkv.testing.kv_check import KVContentModel
+from engine_helpers import make_block_manager
 
 BS = 4
 
@@ -62,18 +64,23 @@ class _copies:
 
 
 def test_constructor_validation():
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(1, BS)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        make_block_manager(1, BS)
     with pytest.raises(ValueError, match="block_size"):
-        BlockManager(8, 0)
+        make_block_manager(8, 0)
     with pytest.raises(ValueError, match="watermark"):
-        BlockManager(8, BS, watermark=1.0)
-    with pytest.raises(ValueError, match="num_host_blocks"):
-        BlockManager(8, BS, num_host_blocks=-1)
+        make_block_manager(8, BS, watermark=1.0)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        make_block_manager(8, BS, num_host_blocks=-1)
+    with pytest.raises(ValueError, match="num_gpu_blocks is not set"):
+        BlockManager(CacheConfig(block_size=BS))   # the pool not sized yet
+    bm = make_block_manager(9, BS, 3, enable_prefix_caching=False, watermark=0.25)
+    assert (bm.num_blocks, bm.block_size, bm.num_host_blocks, bm.enable_prefix_caching,
+            bm.watermark_blocks) == (9, BS, 3, False, 2)
 
 
 def test_allocate_never_hands_out_null_block_and_exhausts_cleanly():
-    bm = BlockManager(6, BS, enable_prefix_caching=False, watermark=0.0)
+    bm = make_block_manager(6, BS, enable_prefix_caching=False, watermark=0.0)
     seq = make_seq(0, list(range(20)))  # 5 blocks: the whole pool but block 0
     assert bm.can_allocate(seq, 20)
     assert bm.allocate(seq, 20) == 0
@@ -90,7 +97,7 @@ def test_allocate_never_hands_out_null_block_and_exhausts_cleanly():
 
 
 def test_allocate_on_demand_and_watermark():
-    bm = BlockManager(101, BS, enable_prefix_caching=False, watermark=0.1)
+    bm = make_block_manager(101, BS, enable_prefix_caching=False, watermark=0.1)
     assert bm.watermark_blocks == 10
     big = make_seq(0, list(range(4 * 91)))  # 91 blocks would leave 9 < 10 free
     assert not bm.can_allocate(big, big.num_tokens)
@@ -105,7 +112,7 @@ def test_allocate_on_demand_and_watermark():
 
 @pytest.mark.parametrize("prompt_len", [10, 8])  # ends mid-block / exactly on a boundary
 def test_copy_on_write_after_fork(prompt_len):
-    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    bm = make_block_manager(16, BS, enable_prefix_caching=False)
     model = KVContentModel(16, BS)
     parent = make_seq(0, list(range(100, 100 + prompt_len)))
     admit(bm, model, parent)
@@ -147,7 +154,7 @@ def test_copy_on_write_after_fork(prompt_len):
 
 def test_copy_on_write_for_multi_block_chunk_into_shared_tail():
     # A chunk spanning a shared partial block and beyond: one copy, then fresh blocks.
-    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    bm = make_block_manager(16, BS, enable_prefix_caching=False)
     model = KVContentModel(16, BS)
     parent = make_seq(0, list(range(6)))
     admit(bm, model, parent)
@@ -170,7 +177,7 @@ def test_copy_on_write_for_multi_block_chunk_into_shared_tail():
 def test_blocks_needed_is_exact_for_a_group_sharing_a_tail():
     # Three sequences share a partial block: the first two writers copy, the last writes
     # in place, so the group needs exactly two blocks (the scheduler preempts on this).
-    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    bm = make_block_manager(16, BS, enable_prefix_caching=False)
     model = KVContentModel(16, BS)
     parent = make_seq(0, list(range(6)))
     admit(bm, model, parent)
@@ -194,7 +201,7 @@ def test_blocks_needed_is_exact_for_a_group_sharing_a_tail():
 
 
 def test_prefix_cache_reuse_and_cap():
-    bm = BlockManager(32, BS)
+    bm = make_block_manager(32, BS)
     model = KVContentModel(32, BS)
     a = make_seq(0, list(range(10)))
     assert admit(bm, model, a) == 0
@@ -225,7 +232,7 @@ def test_prefix_cache_reuse_and_cap():
 
 
 def test_reset_prefix_cache_keeps_blocks_in_use():
-    bm = BlockManager(32, BS)
+    bm = make_block_manager(32, BS)
     model = KVContentModel(32, BS)
     a = make_seq(0, list(range(9)))
     b = make_seq(1, list(range(50, 59)))
@@ -240,7 +247,7 @@ def test_reset_prefix_cache_keeps_blocks_in_use():
 
 
 def test_prefix_cache_off_never_reuses():
-    bm = BlockManager(32, BS, enable_prefix_caching=False)
+    bm = make_block_manager(32, BS, enable_prefix_caching=False)
     model = KVContentModel(32, BS)
     a = make_seq(0, list(range(10)))
     admit(bm, model, a)
@@ -252,7 +259,7 @@ def test_prefix_cache_off_never_reuses():
 
 
 def test_lru_eviction_order():
-    bm = BlockManager(7, BS, watermark=0.0)  # 6 usable blocks
+    bm = make_block_manager(7, BS, watermark=0.0)  # 6 usable blocks
     model = KVContentModel(7, BS)
     a = make_seq(0, list(range(0, 9)))     # 2 full blocks + 1 partial
     b = make_seq(1, list(range(50, 59)))
@@ -278,7 +285,7 @@ def test_lru_eviction_order():
 
 
 def test_swap_out_in_moves_shared_blocks_once():
-    bm = BlockManager(32, BS, num_host_blocks=8, enable_prefix_caching=False)
+    bm = make_block_manager(32, BS, num_host_blocks=8, enable_prefix_caching=False)
     model = KVContentModel(32, BS, 8)
     parent = make_seq(0, list(range(10)))
     admit(bm, model, parent)
@@ -320,7 +327,7 @@ def test_swap_out_in_moves_shared_blocks_once():
 
 
 def test_swap_out_refused_when_host_pool_too_small():
-    bm = BlockManager(32, BS, num_host_blocks=2)
+    bm = make_block_manager(32, BS, num_host_blocks=2)
     model = KVContentModel(32, BS, 2)
     seq = make_seq(0, list(range(12)))
     admit(bm, model, seq)
@@ -331,7 +338,7 @@ def test_swap_out_refused_when_host_pool_too_small():
 
 
 def test_swapped_sequence_frees_host_blocks():
-    bm = BlockManager(32, BS, num_host_blocks=8)
+    bm = make_block_manager(32, BS, num_host_blocks=8)
     model = KVContentModel(32, BS, 8)
     seq = make_seq(0, list(range(12)))
     admit(bm, model, seq)
@@ -343,7 +350,7 @@ def test_swapped_sequence_frees_host_blocks():
 
 
 def test_logical_vs_physical_blocks():
-    bm = BlockManager(32, BS, enable_prefix_caching=False)
+    bm = make_block_manager(32, BS, enable_prefix_caching=False)
     model = KVContentModel(32, BS)
     parent = make_seq(0, list(range(10)))
     admit(bm, model, parent)
@@ -373,7 +380,7 @@ def test_allocate_slots_commits_a_group_plan_like_appending_in_order():
     # place. One call does what three append_slots calls in plan order do.
     twins = []
     for _ in range(2):
-        bm = BlockManager(16, BS, enable_prefix_caching=False)
+        bm = make_block_manager(16, BS, enable_prefix_caching=False)
         model = KVContentModel(16, BS)
         twins.append((bm, model, forked_group(bm, model, 6, 3)))
     (bm, model, group), (ref_bm, _, ref_group) = twins
@@ -394,7 +401,7 @@ def test_allocate_slots_commits_a_group_plan_like_appending_in_order():
 
 def test_allocate_slots_is_all_or_nothing():
     # Two independent sequences each open a new block; only one block is left.
-    bm = BlockManager(7, BS, enable_prefix_caching=False, watermark=0.0)
+    bm = make_block_manager(7, BS, enable_prefix_caching=False, watermark=0.0)
     model = KVContentModel(7, BS)
     a, b = make_seq(0, list(range(8))), make_seq(1, list(range(10, 16)))
     admit(bm, model, a)
@@ -419,7 +426,7 @@ def test_allocate_slots_is_all_or_nothing():
 
 @pytest.mark.parametrize("prompt_len", [6, 8])  # a shared partial block / a fresh block
 def test_allocate_slots_one_decode_without_room_changes_nothing(prompt_len):
-    bm = BlockManager(1 + -(-prompt_len // BS), BS, enable_prefix_caching=False, watermark=0.0)
+    bm = make_block_manager(1 + -(-prompt_len // BS), BS, enable_prefix_caching=False, watermark=0.0)
     model = KVContentModel(bm.num_blocks, BS)
     group = forked_group(bm, model, prompt_len, 2)
     assert bm.num_available_blocks == 0 and bm.blocks_needed([(group[0], 1)]) == 1
@@ -433,7 +440,7 @@ def test_allocate_slots_one_decode_without_room_changes_nothing(prompt_len):
 
 
 def test_allocate_slots_validation():
-    bm = BlockManager(8, BS)
+    bm = make_block_manager(8, BS)
     model = KVContentModel(8, BS)
     held = make_seq(0, list(range(5)))
     admit(bm, model, held)
@@ -453,7 +460,7 @@ def test_allocate_slots_fits_exactly_when_blocks_needed_fits(data, caching, num_
     """Random forked groups and plans: None exactly when `blocks_needed` exceeds what is
     available, and then nothing changed; otherwise exactly that many blocks are taken and
     every sequence still reads its own K/V."""
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching, watermark=0.0)
+    bm = make_block_manager(num_blocks, BS, enable_prefix_caching=caching, watermark=0.0)
     model = KVContentModel(num_blocks, BS)
     live: list[Sequence] = []
     next_id = 0
@@ -512,7 +519,7 @@ OPS = ("admit", "step", "fork", "free", "swap_out", "swap_in")
        num_host=st.integers(0, 12), watermark=st.sampled_from([0.0, 0.1]))
 def test_random_operations_keep_invariants_and_contents(data, caching, num_blocks, num_host,
                                                         watermark):
-    bm = BlockManager(num_blocks, BS, num_host, enable_prefix_caching=caching, watermark=watermark)
+    bm = make_block_manager(num_blocks, BS, num_host, enable_prefix_caching=caching, watermark=watermark)
     model = KVContentModel(num_blocks, BS, num_host)
     live: list[Sequence] = []      # on device
     swapped: list[list[Sequence]] = []

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, make_runner_config
 from paxkv.cache import kv_pool as kvp
 from paxkv.cache import quant
 from paxkv.sim.capacity import plan_capacity
@@ -409,9 +409,11 @@ def test_engine_swap_preemption_moves_quantized_pages(tiny):
 def test_runner_swap_round_trip_is_bit_exact():
     from paxkv.model.weights import random_params
     from paxkv.runner import Runner
-    runner = Runner(CFG, random_params(CFG, 0, jnp.float32), num_blocks=9, block_size=8,
-                    kv_dtype=jnp.float8_e4m3fn, backend="reference", max_num_seqs=4,
-                    max_num_batched_tokens=32, max_model_len=64, num_host_blocks=4)
+    config = make_runner_config(CFG, block_size=8, num_blocks=9, kv_cache_dtype="fp8",
+                                max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                                num_host_blocks=4)
+    assert config.kv_cache_dtype == "fp8_e4m3"
+    runner = Runner(random_params(CFG, 0, jnp.float32), config)
     runner.kv_pool, *_ = scattered_write("fp8", 7)
     before = jax.tree.map(np.asarray, runner.kv_pool)
     runner.swap_out([(3, 0), (5, 2)])

@@ -19,6 +19,8 @@ from paxkv.model.llama import forward, init_params
 from paxkv.engine.step_io import WorkItem
 from paxkv.runner import Runner
 
+from engine_helpers import make_runner_config
+
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256)
 
@@ -45,9 +47,9 @@ def run_schedule(params, seqs, block_size, chunk_sizes, seed):
     num_blocks = 1 + blocks_per_seq * len(seqs)
     perm = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
     tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq].tolist() for i in range(len(seqs))]
-    runner = Runner(CFG, params, num_blocks=num_blocks, block_size=block_size, kv_dtype=jnp.float32,
-                    backend="reference", max_num_seqs=8, max_num_batched_tokens=128,
-                    max_model_len=max_len + block_size)
+    runner = Runner(params, make_runner_config(
+        CFG, block_size=block_size, num_blocks=num_blocks, max_num_seqs=8,
+        max_num_batched_tokens=128, max_model_len=max_len + block_size))
     pool = kvp.init_pool(CFG, num_blocks, block_size, jnp.float32)
     done = [0] * len(seqs)
     got = [np.zeros((len(s), CFG.vocab_size), np.float32) for s in seqs]

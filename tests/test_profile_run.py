@@ -10,15 +10,17 @@ from paxkv.config import ModelConfig
 from paxkv.model.llama import init_params
 from paxkv.runner import memory, profile_activation_bytes
 
+from engine_helpers import make_runner_config
+
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=16)
 
 
 def _profile(tokens: int) -> int:
     params = init_params(CFG, jax.random.PRNGKey(0), jnp.float32)
-    return profile_activation_bytes(CFG, params, backend="reference", block_size=8,
-                                    kv_dtype=jnp.float32, max_num_seqs=4,
-                                    max_num_batched_tokens=tokens, max_model_len=512)
+    return profile_activation_bytes(make_runner_config(
+        CFG, block_size=8, num_blocks=None, max_num_seqs=4, max_num_batched_tokens=tokens,
+        max_model_len=512), params)
 
 
 def test_profile_grows_with_the_step_and_ignores_history():

@@ -12,21 +12,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from paxkv.cache.block_manager import BlockManager
-from paxkv.config import SchedulerConfig
+from paxkv.config import CacheConfig, SchedulerConfig
 from paxkv.engine.scheduler import Scheduler, SchedulerOutput
 from paxkv.engine.sequence import Sequence, SequenceStatus
 from paxkv.testing.kv_check import CheckRequest, KVContentModel, run_checked
+
+from engine_helpers import make_block_manager
 
 BS = 4
 
 
 def make_sched(num_blocks: int = 64, num_host_blocks: int = 0, caching: bool = True,
                watermark: float = 0.0, **cfg) -> Scheduler:
-    params = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, watermark=watermark)
+    params = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     params.update(cfg)
-    bm = BlockManager(num_blocks, BS, num_host_blocks, enable_prefix_caching=caching,
-                      watermark=watermark)
-    return Scheduler(SchedulerConfig(**params), bm, BS)
+    bm = make_block_manager(num_blocks, BS, num_host_blocks, enable_prefix_caching=caching,
+                            watermark=watermark)
+    return Scheduler(SchedulerConfig(**params), bm.cache, bm)
 
 
 def seq(seq_id: int, n_tokens: int, arrival: float | None = None, first: int = 0) -> Sequence:
@@ -71,16 +73,13 @@ def random_requests(rng: random.Random, k: int, max_prompt: int = 30, max_out: i
 
 # ---------------------------------------------------------------- validation
 def test_config_validation():
-    bm = BlockManager(8, BS)
-    with pytest.raises(ValueError, match="watermark"):
-        Scheduler(SchedulerConfig(max_model_len=16, watermark=0.0), bm, BS)
+    bm = make_block_manager(8, BS)
     with pytest.raises(ValueError, match="block_size"):
-        Scheduler(SchedulerConfig(max_model_len=16), bm, 8)
-    with pytest.raises(ValueError, match="max_model_len"):
-        Scheduler(SchedulerConfig(max_model_len=64), bm, BS)  # 16 blocks > 7
+        Scheduler(SchedulerConfig(max_model_len=16), CacheConfig(block_size=8), bm)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Scheduler(SchedulerConfig(max_model_len=16, max_num_batched_tokens=8,
-                                  enable_chunked_prefill=False), bm, BS)
+        SchedulerConfig(max_model_len=16, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    # The pool holding one max_model_len sequence spans two configs: EngineConfig checks it
+    # (tests/test_config.py).
 
 
 def test_add_seq_validation():
@@ -486,10 +485,10 @@ def test_scheduler_uses_only_public_block_manager_calls(mode):
     rng = random.Random(3)
     reqs = random_requests(rng, 20)
     ref = run_checked(make_sched(num_blocks=400, max_num_seqs=64), reqs).outputs
-    bm = BlockManager(17, BS, 12, enable_prefix_caching=True, watermark=0.0)
+    bm = make_block_manager(17, BS, 12, enable_prefix_caching=True, watermark=0.0)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                          preemption_mode=mode, watermark=0.0)
-    sched = Scheduler(cfg, _PublicOnly(bm), BS)
+                          preemption_mode=mode)
+    sched = Scheduler(cfg, bm.cache, _PublicOnly(bm))
     res = run_checked(sched, reqs)
     assert res.outputs == ref and res.num_preemptions > 0
     if mode == "swap":

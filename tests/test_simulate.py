@@ -74,3 +74,8 @@ def test_arrivals_idle_clock_and_bad_input():
         simulate([wl.Request(30, 5)], pool_tokens=64, max_model_len=32)
     with pytest.raises(ValueError, match="pool_tokens"):
         simulate(reqs, pool_tokens=0)
+
+
+def test_pool_smaller_than_one_full_sequence_is_refused():
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate([wl.Request(10, 5)], block_size=4, pool_tokens=16, max_model_len=32)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from paxkv.cache.block_pool import NULL_BLOCK, BlockPool
+from paxkv.config import CacheConfig
 from paxkv.engine.sequence import Sequence
 
 BlockKey = tuple  # (parent hash | None, tuple of block_size token ids)
@@ -63,26 +64,22 @@ class BlockManager:
     in the device pool's index (evictable) until they are needed for something else.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
-        self.enable_prefix_caching = enable_prefix_caching
-        self.watermark = watermark
-        self.watermark_blocks = int(watermark * num_blocks)
+    def __init__(self, cache: CacheConfig) -> None:
+        """`cache` with its pool sized (`num_gpu_blocks` set; `CacheConfig` checked the rest)."""
+        if cache.num_gpu_blocks is None:
+            raise ValueError("CacheConfig.num_gpu_blocks is not set: size the pool first "
+                             "(EngineConfig.with_pool)")
+        self.cache = cache
+        self.num_blocks = cache.num_gpu_blocks
+        self.block_size = cache.block_size
+        self.num_host_blocks = cache.num_cpu_blocks
+        self.enable_prefix_caching = cache.enable_prefix_caching
+        self.watermark = cache.watermark
+        self.watermark_blocks = int(cache.watermark * self.num_blocks)
 
-        self.device_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+        self.device_pool = BlockPool(self.num_blocks, enable_caching=self.enable_prefix_caching,
                                      reserve_null_block=True, name="device")
-        self.host_pool = BlockPool(num_host_blocks, name="host")
+        self.host_pool = BlockPool(self.num_host_blocks, name="host")
 
         self._device_seqs: dict[int, Sequence] = {}  # sequences whose table is on device
         self._host_seqs: dict[int, Sequence] = {}    # sequences whose table is on host

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+from paxkv.config import KV_CACHE_DTYPES
 
 _STORAGE = {
     "bfloat16": jnp.bfloat16,

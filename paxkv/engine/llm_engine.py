@@ -66,19 +66,18 @@ class _StepInFlight:
 class LLMEngine:
     """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
 
-    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None,
-                 num_blocks: int, num_host_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None) -> None:
+        """`config` with its pool sized (`EngineConfig.with_pool`): the block manager and
+        the scheduler are built from its cache and scheduler configs."""
         self.config = config
         self.model_config: ModelConfig = config.model
         self.runner = runner
         self.tokenizer = tokenizer
         sc, cc = config.scheduler, config.cache
         self.max_model_len = sc.max_model_len
-        self.block_manager = BlockManager(num_blocks, cc.block_size, num_host_blocks=num_host_blocks,
-                                          enable_prefix_caching=cc.enable_prefix_caching,
-                                          watermark=sc.watermark)
-        self.scheduler = Scheduler(sc, self.block_manager, cc.block_size)
-        self.metrics = Metrics(num_blocks=num_blocks)
+        self.block_manager = BlockManager(cc)
+        self.scheduler = Scheduler(sc, cc, self.block_manager)
+        self.metrics = Metrics(num_blocks=self.block_manager.num_blocks)
         self.requests: dict[str, EngineRequest] = {}
         self._owner: dict[int, tuple[EngineRequest, int]] = {}
         self._seq_ids = itertools.count()
@@ -87,7 +86,7 @@ class LLMEngine:
         self._beam_results: dict[str, BeamRequest] = {}
         self._in_flight: _StepInFlight | None = None
         self._step_index = 0
-        self.num_scheduler_steps = max(1, int(config.num_scheduler_steps))
+        self.num_scheduler_steps = config.num_scheduler_steps
         self.async_scheduling = bool(config.async_scheduling)
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -22,7 +22,8 @@ once). Only a group that cannot fit the pool even alone loses members one at a t
 
 Progress is guaranteed: the oldest request always gets its blocks (newer ones are preempted
 for it), and with nothing running the admission watermark and the batch-slot limit are
-waived, so the head of the queue always fits (`max_model_len` must fit the pool: checked).
+waived, so the head of the queue always fits (`max_model_len` must fit the pool: checked by
+`EngineConfig`).
 
 The engine's loop: `out = schedule()`; run `out` on the device (swap-out copies, then swap-in
 copies, then copy-on-write copies, then the forward pass; the copies whenever present, even
@@ -37,7 +38,7 @@ import dataclasses
 from collections import deque
 
 from paxkv.cache.block_manager import BlockManager
-from paxkv.config import SchedulerConfig
+from paxkv.config import CacheConfig, SchedulerConfig
 from paxkv.engine.sequence import Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
@@ -98,25 +99,15 @@ class _Request:
 class Scheduler:
     """Continuous (iteration-level) or static (request-level) batching over a BlockManager."""
 
-    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, block_size: int) -> None:
-        if block_size != block_manager.block_size:
-            raise ValueError(f"block_size ({block_size}) differs from the block manager's "
-                             f"({block_manager.block_size})")
-        capacity = block_manager.num_blocks - 1
-        if _cdiv(cfg.max_model_len, block_size) > capacity:
-            raise ValueError(
-                f"max_model_len ({cfg.max_model_len}) needs {_cdiv(cfg.max_model_len, block_size)} "
-                f"blocks of {block_size} tokens but the KV pool has only {capacity}")
-        if abs(cfg.watermark - block_manager.watermark) > 1e-12:
-            raise ValueError(f"SchedulerConfig.watermark ({cfg.watermark}) differs from the block "
-                             f"manager's ({block_manager.watermark}): build both from one value")
-        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_model_len "
-                f"({cfg.max_model_len}) when chunked prefill is off: a whole prefill must fit a step")
+    def __init__(self, cfg: SchedulerConfig, cache: CacheConfig, block_manager: BlockManager) -> None:
+        """`block_manager` is built from `cache`; the checks across the two configs (the pool
+        holds one `max_model_len` sequence) are `EngineConfig`'s."""
+        if block_manager.block_size != cache.block_size:
+            raise ValueError(f"block_size ({cache.block_size}) differs from the block manager's "
+                             f"({block_manager.block_size}): build both from one CacheConfig")
         self.cfg = cfg
         self.block_manager = block_manager
-        self.block_size = block_size
+        self.block_size = cache.block_size
 
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # in priority order when _running_sorted

@@ -7,6 +7,8 @@ step's K/V: the model writes before it attends). Backends:
 - "reference": plain jnp gather through the block tables; the ground truth for tests.
 - "pallas": the Pallas GPU kernels in `pallas_kernels` (decode kernel when every sequence
   has one new token, ragged kernel otherwise).
+
+"auto" is resolved with the runner's other settings (`config.runner_config`).
 """
 from __future__ import annotations
 
@@ -14,17 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.model.batch import StepBatch
-
-BACKENDS = ("reference", "pallas")
-
-
-def resolve_backend(name: str) -> str:
-    """"auto" -> "pallas" on GPU, "reference" elsewhere."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS + ('auto',)}, got {name!r}")
-    return name
 
 
 def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:

@@ -1,17 +1,8 @@
-"""Shape buckets: every jitted step sees one of a few padded sizes, so steady state compiles nothing."""
+"""Shape buckets: every jitted step sees one of a few padded sizes, so steady state compiles
+nothing. The buckets themselves are derived with the runner's settings (`config.runner_config`)."""
 from __future__ import annotations
 
 from typing import Sequence
-
-
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from lo up to (and including) hi, hi itself as the last bucket."""
-    out, b = [], max(1, lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return out
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -18,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv.cache import kv_pool as kvp
-from paxkv.config import ModelConfig
+from paxkv.cache.quant import storage_dtype
+from paxkv.config import ModelConfig, RunnerConfig
 from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
-from paxkv.runner.buckets import pick_bucket, pow2_buckets
+from paxkv.runner.buckets import pick_bucket
 from paxkv.sampler import SamplingTensors, sample
 from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
 
@@ -192,36 +192,26 @@ def _pack_inputs(batch: StepBatch, st: SamplingTensors, mesh: Any = None,
 class Runner:
     """Owns params, the KV pool and the host swap pool; runs one scheduled step at a time."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, *, num_blocks: int, block_size: int,
-                 kv_dtype: Any, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_host_blocks: int = 0, min_seq_bucket: int = 4,
-                 min_token_bucket: int = 16, fixed_shapes: bool = False, mesh: Any = None) -> None:
-        """`fixed_shapes` (GPU): block tables always `max_model_len` wide and prefill/mixed
-        steps always `max_num_seqs` rows, so a whole run compiles a handful of programs; the
-        Pallas kernels loop over real lengths, so the padding costs them nothing.
+    def __init__(self, params: Any, config: RunnerConfig, mesh: Any = None) -> None:
+        """`config` comes from `config.runner_config`, which derived and checked it.
 
         `mesh` (tensor parallelism, `paxkv.parallel`): `params` are split over it and the
         pool is split by KV heads; the host swap pool holds this process's heads. None (one
         device) runs the single-device code below and nothing of `paxkv.parallel`."""
-        self.cfg = cfg
+        self.config = config
+        self._take_shapes(config)
         self.params = params
-        self.block_size = block_size
-        self.backend = backend
         self.mesh = mesh
+        storage = storage_dtype(config.kv_cache_dtype)
         if mesh is None:
-            self.kv_pool = kvp.init_pool(cfg, num_blocks, block_size, kv_dtype)
+            self.kv_pool = kvp.init_pool(config.model, config.num_blocks, config.block_size, storage)
         else:
             from paxkv.parallel import sharding
-            self.kv_pool = sharding.init_pool(cfg, num_blocks, block_size, kv_dtype, mesh)
-        max_blocks = math.ceil(max_model_len / block_size)
-        self.token_buckets = pow2_buckets(min_token_bucket, max(min_token_bucket, max_num_batched_tokens))
-        self.seq_buckets = pow2_buckets(min_seq_bucket, max(min_seq_bucket, max_num_seqs))
-        self.block_buckets = [max_blocks] if fixed_shapes else pow2_buckets(4, max(4, max_blocks))
-        self.fixed_shapes = fixed_shapes
-        self.row_buckets = pow2_buckets(4, max(4, max_num_seqs * 4))
-        self.copy_buckets = pow2_buckets(4, max(4, num_blocks))
+            self.kv_pool = sharding.init_pool(config.model, config.num_blocks, config.block_size,
+                                              storage, mesh)
         # Host swap pool: the device pool's layout (scales included) in numpy, num_host_blocks
         # deep (under tensor parallelism: this process's heads of it).
+        num_host_blocks = config.num_host_blocks
         self.host_pool: kvp.KVPool | None = jax.tree.map(
             lambda x: np.zeros((num_host_blocks,) + self._local_shape(x)[1:], x.dtype),
             self.kv_pool) if num_host_blocks else None
@@ -230,6 +220,18 @@ class Runner:
         self.compiled_keys: set[tuple] = set()
         self.num_compilations = 0
         self.compile_time_s = 0.0
+
+    def _take_shapes(self, config: RunnerConfig) -> None:
+        """The settings the packing reads, as attributes (a profiler may narrow a bucket list)."""
+        self.cfg = config.model
+        self.block_size = config.block_size
+        self.backend = config.attention_backend
+        self.fixed_shapes = config.fixed_shapes
+        self.token_buckets = list(config.token_buckets)
+        self.seq_buckets = list(config.seq_buckets)
+        self.block_buckets = list(config.block_buckets)
+        self.row_buckets = list(config.row_buckets)
+        self.copy_buckets = list(config.copy_buckets)
 
     # ---- block movement (copy-on-write, swap) -------------------------------------------
     def _local_shape(self, x: jax.Array) -> tuple[int, ...]:

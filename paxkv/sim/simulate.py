@@ -35,7 +35,7 @@ from typing import Iterable
 import numpy as np
 
 from paxkv.cache.block_manager import BlockManager
-from paxkv.config import SchedulerConfig
+from paxkv.config import CacheConfig, SchedulerConfig, check_pool_fits
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence, SequenceStatus
 from paxkv.sim.workloads import Request
@@ -57,7 +57,8 @@ class ReservingBlockManager(BlockManager):
     """
 
     def __init__(self, num_slots: int, reservations: dict[int, int], watermark: float = 0.01) -> None:
-        super().__init__(num_slots + 1, 1, enable_prefix_caching=False, watermark=watermark)
+        super().__init__(CacheConfig(block_size=1, enable_prefix_caching=False, watermark=watermark,
+                                     num_gpu_blocks=num_slots + 1))
         self.reservations = reservations
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> int:
@@ -196,12 +197,14 @@ def simulate(requests: Iterable[Request], *, policy: str = "paged", block_size: 
         bm: BlockManager = ReservingBlockManager(pool_tokens, reservations, watermark=watermark)
     else:
         bs = block_size
-        bm = BlockManager(pool_tokens // bs + 1, bs, enable_prefix_caching=False, watermark=watermark)
-    sched = Scheduler(SchedulerConfig(
+        bm = BlockManager(CacheConfig(block_size=bs, enable_prefix_caching=False, watermark=watermark,
+                                      num_gpu_blocks=pool_tokens // bs + 1))
+    sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, policy="static" if policy == "static" else "continuous",
-        preemption_mode=preemption_mode, enable_chunked_prefill=enable_chunked_prefill,
-        watermark=watermark), bm, bs)
+        preemption_mode=preemption_mode, enable_chunked_prefill=enable_chunked_prefill)
+    check_pool_fits(bm.cache, sched_config)
+    sched = Scheduler(sched_config, bm.cache, bm)
 
     rng = np.random.default_rng(seed)
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))

@@ -1,0 +1,93 @@
+"""The runner's settings come from one builder: derived values and checks that name the field."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from paxkv.config import (PRESETS, PROFILE_NUM_BLOCKS, CacheConfig, EngineConfig, SchedulerConfig,
+                          runner_config)
+
+TINY = PRESETS["tiny-random"]   # max_position_embeddings 2048
+
+
+def _engine(cache: CacheConfig | None = None, sched: SchedulerConfig | None = None,
+            **kw) -> EngineConfig:
+    return EngineConfig(TINY, cache or CacheConfig(), sched or SchedulerConfig(), **kw)
+
+
+def test_cpu_settings_from_defaults():
+    engine = _engine(CacheConfig(block_size=16), SchedulerConfig(
+        max_num_seqs=24, max_num_batched_tokens=100, max_model_len=200), dtype="auto")
+    rc = runner_config(engine.with_pool(50, 3), platform="cpu")
+    assert (rc.dtype, rc.kv_cache_dtype, rc.attention_backend) == ("float32", "float32", "reference")
+    assert not rc.fixed_shapes
+    assert rc.token_buckets == (16, 32, 64, 100)
+    assert rc.seq_buckets == (4, 8, 16, 24)
+    assert rc.block_buckets == (4, 8, 13)        # ceil(200 / 16) blocks at most
+    assert rc.row_buckets == (4, 8, 16, 32, 64, 96)
+    assert rc.copy_buckets == (4, 8, 16, 32, 50)
+    assert (rc.num_blocks, rc.num_host_blocks, rc.max_blocks_per_seq) == (50, 3, 13)
+    hash(rc)   # a frozen, hashable value
+
+
+def test_gpu_settings_fixed_shapes_and_8bit_pages():
+    engine = _engine(CacheConfig(block_size=16, kv_cache_dtype="fp8"), SchedulerConfig(
+        max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048), dtype="auto")
+    rc = runner_config(engine.with_pool(4096), platform="gpu")
+    assert (rc.dtype, rc.kv_cache_dtype, rc.attention_backend) == ("bfloat16", "fp8_e4m3", "pallas")
+    assert rc.fixed_shapes and rc.block_buckets == (128,)
+    assert rc.seq_buckets == (8, 16, 32, 64, 128, 256)
+    assert rc.token_buckets == (256, 512, 1024, 2048, 4096, 8192)
+    assert rc.row_buckets[-1] == 1024
+
+
+def test_explicit_choices_win_over_the_platform():
+    engine = _engine(CacheConfig(kv_cache_dtype="int8"), dtype="float32",
+                     attention_backend="reference").with_pool(200)
+    rc = runner_config(engine, platform="gpu")
+    assert (rc.dtype, rc.kv_cache_dtype, rc.attention_backend) == ("float32", "int8", "reference")
+
+
+def test_unsized_pool_is_the_profile_runs():
+    sched = SchedulerConfig(max_model_len=64)
+    rc = runner_config(_engine(CacheConfig(swap_space=1.0), sched), platform="cpu")
+    assert (rc.num_blocks, rc.num_host_blocks) == (PROFILE_NUM_BLOCKS, 0)
+    assert rc.copy_buckets == (4,)
+
+
+def test_runner_config_is_host_only():
+    """config.py (builder included) never imports JAX: host code may import it at the top."""
+    import subprocess
+    code = ("import sys; import paxkv.config as c; "
+            "c.runner_config(c.EngineConfig(c.PRESETS['tiny-random'], c.CacheConfig(), "
+            "c.SchedulerConfig()), 'cpu'); assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: _engine(dtype="float16"), "dtype"),
+    (lambda: _engine(attention_backend="triton"), "attention_backend"),
+    (lambda: _engine(tensor_parallel_size=0), "tensor_parallel_size"),
+    (lambda: _engine(num_scheduler_steps=0), "num_scheduler_steps"),
+    (lambda: _engine(sched=SchedulerConfig(max_model_len=4096)), "max_model_len"),
+    (lambda: _engine(CacheConfig(block_size=16), SchedulerConfig(max_model_len=64)).with_pool(4),
+     "num_gpu_blocks"),            # 4 blocks of 16 plus the null block are needed
+    (lambda: CacheConfig(kv_cache_dtype="fp4"), "kv_cache_dtype"),
+    (lambda: CacheConfig(num_gpu_blocks=1), "num_gpu_blocks"),
+    (lambda: CacheConfig(num_cpu_blocks=-1), "num_cpu_blocks"),
+    (lambda: CacheConfig(watermark=1.0), "watermark"),
+    (lambda: SchedulerConfig(max_model_len=64, max_num_batched_tokens=32,
+                             enable_chunked_prefill=False), "max_num_batched_tokens"),
+    (lambda: runner_config(_engine(), platform=""), "platform"),
+])
+def test_bad_settings_name_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_pool_that_holds_one_sequence_is_accepted():
+    engine = _engine(CacheConfig(block_size=16), SchedulerConfig(max_model_len=64)).with_pool(5)
+    assert engine.cache.num_gpu_blocks == 5
+    assert dataclasses.replace(engine.cache, num_gpu_blocks=None).num_gpu_blocks is None
