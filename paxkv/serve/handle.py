@@ -69,6 +69,8 @@ class EngineHandle:
         try:
             while not finished:
                 update = await sink.get()
+                while update.error is None and not update.finished and not sink.empty():
+                    update = update.merged(sink.get_nowait())
                 if update.error is not None:
                     finished = True
                     raise EngineError(update.error)

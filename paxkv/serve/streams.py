@@ -61,6 +61,24 @@ class Update:
     num_output_tokens: int          # all samples, so far
     error: str | None = None
 
+    def merged(self, later: "Update") -> "Update":
+        """This update followed by `later`, as one (a consumer that fell behind catches up
+        in one response chunk instead of one per engine step, as vLLM V1's collector does)."""
+        if later.error is not None:
+            return later
+        deltas = {d.index: d for d in self.deltas}
+        for d in later.deltas:
+            a = deltas.get(d.index)
+            if a is None:
+                deltas[d.index] = d
+                continue
+            lps = None if a.logprobs is None and d.logprobs is None else \
+                (a.logprobs or []) + (d.logprobs or [])
+            deltas[d.index] = SampleDelta(d.index, a.text + d.text, a.token_ids + d.token_ids, lps,
+                                          d.finish_reason, d.stop_reason)
+        return Update(list(deltas.values()), later.finished, later.num_prompt_tokens,
+                      later.num_output_tokens)
+
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (a server-side fault, HTTP 500)."""
