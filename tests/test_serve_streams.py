@@ -81,7 +81,7 @@ def test_rows_carry_only_new_tokens_and_updates_rebuild_the_text(tok):
                 texts[r[0]] += "".join(d.text for d in u.deltas)
     assert texts == [tok.decode(ids)] * 2
     assert n_updates[1] == 2   # its first token (admission) and its end
-    assert rows.tracked() == []
+    assert not rows.forget("a") and not rows.forget("b")   # finished: no longer tracked
 
 
 def test_stop_strings_hold_text_back_and_end_on_the_engine_text(tok):

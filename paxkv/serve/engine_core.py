@@ -109,15 +109,7 @@ class EngineCore:
         self.idle_s = 0.0
 
     def _fail_all(self, message: str) -> None:
-        keys = []
-        for rid, key in self.rows.tracked():
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - the engine is already in trouble
-                logger.exception("abort after failure")
-            keys.append(key)
-        self.rows.clear()
-        self.channel.send(("failed", keys, message))
+        self.channel.send(("failed", self.rows.abort_all(self.engine), message))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -107,9 +107,7 @@ class EngineLoop(EngineHandle):
             logger.exception("engine loop died")
             self._fail_all(f"engine loop died: {e}")
         finally:
-            for rid, _ in self._rows.tracked():
-                engine.abort_request(rid)
-            self._rows.clear()
+            self._rows.abort_all(engine)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False once asked to stop."""
@@ -149,16 +147,11 @@ class EngineLoop(EngineHandle):
 
     def _fail_all(self, message: str) -> None:
         batch = []
-        for rid, key in self._rows.tracked():
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - the engine is already in trouble
-                logger.exception("abort after failure")
+        for key in self._rows.abort_all(self.engine):
             rs = self._streams.pop(key, None)
             if rs is not None:
                 batch.append((rs.sink, Update([], True, rs.num_prompt_tokens, rs.num_output_tokens,
                                               message)))
-        self._rows.clear()
         if batch and self._loop is not None:
             self._loop.call_soon_threadsafe(_deliver, batch)
 

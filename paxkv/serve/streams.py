@@ -105,11 +105,18 @@ class OutputRows:
         """Stop tracking (an abort); False if the request was not tracked (already done)."""
         return self._sent.pop(request_id, None) is not None
 
-    def tracked(self) -> list[tuple[str, int]]:
-        return [(rid, s.key) for rid, s in self._sent.items()]
-
-    def clear(self) -> None:
+    def abort_all(self, engine: Any) -> list[int]:
+        """Abort every tracked request in `engine` (after a failed step; best effort) and
+        stop tracking them; returns their keys."""
+        keys = []
+        for rid, sent in self._sent.items():
+            try:
+                engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine is already in trouble
+                logger.exception("abort after failure")
+            keys.append(sent.key)
         self._sent.clear()
+        return keys
 
     def rows(self, outs: list[RequestOutput]) -> list[Row]:
         """One row per tracked request the step changed; untracked ones (aborted) are skipped."""
