@@ -167,3 +167,15 @@ def test_a_killed_engine_process_fails_requests_and_the_server_exits(cache_env):
         pass
     assert server.proc.wait(30) == 1, server.output()
     assert time.monotonic() - t0 < 60
+
+
+def test_a_killed_server_takes_its_engine_process_along(cache_env):
+    server = ServerProcess(["tiny", *ENGINE_ARGS], env=cache_env)
+    children = child_pids(server.proc.pid)
+    assert children
+    server.proc.kill()
+    server.proc.wait(30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in children):
+        time.sleep(0.05)
+    assert not [p for p in children if alive(p)], "the engine process outlived its server"

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -15,6 +18,7 @@ from paxkv.serve.ipc import Channel, EngineState, FrameBuffer, frame
 from paxkv.serve.metrics import ServerMetrics
 from paxkv.serve.streams import OutputRows, RequestStream, SampleDelta, Update
 from paxkv.tokenizer import load_tokenizer
+from serve_helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +125,12 @@ def test_merged_updates_concatenate_per_choice():
     assert (d1.text, d1.token_ids) == ("x", [9])
     err = Update([], True, 3, 4, "boom")
     assert a.merged(err) is err
+
+
+def test_the_frontend_never_imports_jax():
+    """The frontend must not claim the accelerator the engine process uses."""
+    code = ("import sys, paxkv.serve.cli, paxkv.serve.app, paxkv.serve.engine_client; "
+            "paxkv.serve.cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr

@@ -153,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   else _engine_thread(args, engine_args, metrics))
     except ValueError as e:
         parser.error(str(e))
+    except RuntimeError as e:   # the engine process died while loading (its log says why)
+        logger.error("%s", e)
+        return 1
     state = ServerState(engine, served, api_key=args.api_key,
                         max_waiting_requests=args.max_waiting_requests)
     app = build_app(state)

@@ -10,7 +10,8 @@ without checking again. No HTTP, no detokenization here, except the stop-string 
 the engine's output processor makes as it does for `LLM.generate`.
 
 It ends on a shutdown command, or when the frontend's end of the socket closes (the
-frontend died: no orphan keeps the device). SIGINT is ignored: Ctrl-C in a terminal reaches
+frontend died: no orphan keeps the device; on Linux the frontend's death also sends it
+SIGTERM, so a model load or a long step cannot outlive it). SIGINT is ignored: Ctrl-C in a terminal reaches
 the whole process group, and the frontend decides how the engine stops.
 
 Host code apart from the LLM it builds; see ipc.py for the wire format.
@@ -112,12 +113,23 @@ class EngineCore:
         self.channel.send(("failed", self.rows.abort_all(self.engine), message))
 
 
+def _end_with_parent() -> None:
+    """Linux: SIGTERM this process when the frontend dies, even while it loads the model or
+    runs a long step and so reads no socket (elsewhere the closed socket alone ends it)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paxkv.serve.engine_core",
                                      description="The engine process of `paxkv serve`.")
     parser.add_argument("--fd", type=int, required=True, help="this end of the frontend's socket pair")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     channel = Channel(socket.socket(fileno=args.fd))
     try:
