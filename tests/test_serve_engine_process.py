@@ -130,8 +130,8 @@ def test_disconnect_frees_blocks_in_both_arrangements(servers, mode):
     assert server.metric("paxkv:kv_cache_usage_perc") == 0
 
 
-def test_sigterm_stops_the_engine_process_too(cache_env):
-    server = ServerProcess(["tiny", *ENGINE_ARGS], env=cache_env)
+def test_sigterm_stops_the_engine_process_too(servers):
+    server = servers["process"]   # the module's last use of it
     children = child_pids(server.proc.pid)
     assert children, "the engine process is a child of the server"
     assert _complete(server.url, {"prompt": PROMPT, "max_tokens": 4})["choices"][0]["text"]
