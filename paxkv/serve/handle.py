@@ -13,6 +13,7 @@ import itertools
 import time
 from typing import Any, AsyncIterator
 
+from paxkv.engine.detokenizer import IncrementalDetokenizer
 from paxkv.engine.llm_engine import check_request
 from paxkv.engine.request_features import RequestFeatures
 from paxkv.engine.validation import RequestValidator
@@ -35,6 +36,8 @@ class EngineHandle:
                                            num_layers=info.num_layers)
         self._features = RequestFeatures(tokenizer, info.vocab_size, list(info.eos_token_ids))
         self._keys = itertools.count()
+        if tokenizer is not None:   # builds the byte table now (seconds for a 128k vocabulary),
+            IncrementalDetokenizer(tokenizer)   # not on the event loop at the first stream
 
     # ---- the interface the routes use ------------------------------------------------------
     async def start(self) -> None:
