@@ -6,7 +6,10 @@ One run, on the same engine settings and the same requests:
 2. the server (`python3 -m paxkv.serve`, another subprocess, sharing the offline run's JAX
    compilation cache), warmed up, then driven by an async HTTP client (httpx, streaming
    /v1/completions with token-id prompts): the whole trace sent at once, then Poisson
-   arrivals at each --rates value.
+   arrivals at each --rates value. --engine_modes picks the server's arrangement: `process`
+   (the default: an engine process apart from the HTTP frontend), `thread`
+   (`--no-engine-process`: the engine on a thread of the server process), or both in turn,
+   each against the same offline run.
 
 Per request it records TTFT (send -> first streamed chunk), TPOT ((e2e - TTFT) / (tokens - 1)),
 the inter-chunk latencies (ITL) and E2E; per run p50/p90/p99 of each, request and token
@@ -17,6 +20,8 @@ serving.png (latency against request rate) to --out_dir; exits 1 when a request 
 the HTTP throughput missed its offline reference.
 
     PYTHONPATH=. python3 scripts/bench_serving.py --out_dir /tmp/serving        # CPU smoke
+    PYTHONPATH=. python3 scripts/bench_serving.py --engine_modes process,thread \
+        --out_dir /tmp/serving                                   # both arrangements, one run
     PYTHONPATH=. python3 scripts/bench_serving.py --model llama3-8b --num_prompts 1000 \\
         --input_len 256 --output_len 256 --rates 10,20,40 --rate_num_prompts 300 \\
         --warmup_prompts 512 --warmup_output_len 64 --engine_args="--num-scheduler-steps 8" \\
@@ -57,6 +62,9 @@ flags.DEFINE_integer("warmup_rate_prompts", 32, "warm-up requests arriving at th
 flags.DEFINE_float("goodput_ttft_ms", 2000.0, "goodput: TTFT limit")
 flags.DEFINE_float("goodput_tpot_ms", 100.0, "goodput: TPOT limit")
 flags.DEFINE_integer("seed", 0, "trace seed")
+flags.DEFINE_list("engine_modes", ["process"],
+                  "server arrangements to measure in turn: process (engine process, the "
+                  "default), thread (--no-engine-process)")
 flags.DEFINE_string("url", "", "benchmark this running server instead of starting one (no offline)")
 flags.DEFINE_string("out_dir", "results/serving", "where serving.json / .md / .png go")
 flags.DEFINE_float("startup_timeout_s", 600.0, "how long the server may take to become healthy")
@@ -266,9 +274,10 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, rat
 
 
 class Server:
-    def __init__(self, port: int, env: dict) -> None:
+    def __init__(self, port: int, env: dict, mode: str) -> None:
         cmd = [sys.executable, "-m", "paxkv.serve", FLAGS.model, "--host", "127.0.0.1", "--port",
                str(port), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+               "--engine-process" if mode == "process" else "--no-engine-process",
                *server_engine_flags()]
         print("server:", " ".join(cmd), flush=True)
         self.cmd = cmd
@@ -322,47 +331,55 @@ def write_reports(result: dict) -> None:
                   f"requests/s, {off['output_throughput']:.0f} output tokens/s "
                   f"({off['total_token_throughput']:.0f} total tokens/s; compile {off['compile_s']:.1f} s "
                   "cut out)", ""]
-    lines += ["| rate (req/s) | requests | failed | req/s | output tok/s | goodput req/s | TTFT p50/p90/p99 ms "
+    lines += ["| engine | rate (req/s) | requests | failed | req/s | output tok/s | goodput req/s | TTFT p50/p90/p99 ms "
               "| TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | engine step | output proc. | "
-              "event loop busy | engine idle | compiles |", "|" + " --- |" * 15]
+              "event loop busy | engine idle | compiles |", "|" + " --- |" * 16]
     for r in result["runs"]:
         t, p, i, e, s = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"], r["server_time_shares"]
         lines.append(
-            f"| {r['rate']} | {r['requests']} | {r['failed']} | {r['request_throughput']:.2f} | "
+            f"| {r.get('engine_mode') or 'url'} | {r['rate']} | {r['requests']} | {r['failed']} | {r['request_throughput']:.2f} | "
             f"{r['output_throughput']:.0f} | {r['goodput']:.2f} | {t['p50']:.0f} / {t['p90']:.0f} / "
             f"{t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} | {i['p50']:.1f} / "
             f"{i['p99']:.1f} | {e['p50']:.0f} / {e['p99']:.0f} | {100 * s['engine_step']:.1f}% | "
             f"{100 * s['output_processing']:.2f}% | {100 * s['frontend_busy']:.1f}% | "
             f"{100 * s['engine_idle']:.1f}% | {r['compilations_during_run']:.0f} |")
-    if "offline_ratio" in result:
-        first = result["runs"][0]
-        lines += ["", f"All at once over HTTP / offline output throughput: "
-                  f"**{result['offline_ratio']:.3f}** (target >= {FLAGS.min_offline_ratio}); with the "
+    off = result.get("offline")
+    for mode, ratio in result.get("offline_ratio_by_mode", {}).items():
+        first = next(r for r in result["runs"] if str(r.get("engine_mode")) == mode)
+        excl = first["output_throughput_excl_compile"] / off["output_throughput"]
+        lines += ["", f"Engine {mode}: all at once over HTTP / offline output throughput: "
+                  f"**{ratio:.3f}** (target >= {FLAGS.min_offline_ratio}); with the "
                   f"{first['compilations_during_run']:.0f} compilations of the HTTP run "
                   f"({first['compile_s_during_run']:.1f} s) cut out of its clock as the offline "
-                  f"run's are: {result['offline_ratio_excl_compile']:.3f}"]
+                  f"run's are: {excl:.3f}"]
     lines += ["", f"Goodput: requests with TTFT <= {FLAGS.goodput_ttft_ms:.0f} ms and TPOT <= "
               f"{FLAGS.goodput_tpot_ms:.0f} ms, per second. Time shares are of the run's wall time, "
               "from the server's /metrics counters (engine step: inside engine.step(); output "
               "processing: turning outputs into deltas, detokenization included; event loop busy: "
               "the asyncio loop outside select(), i.e. HTTP parsing, handlers, JSON and SSE writes, "
-              "which with the GIL includes waiting for the engine thread)."]
+              "which with the engine on a thread (engine `thread`) includes waiting for its GIL; "
+              "engine `process`: the engine runs in its own process, and engine step, output "
+              "processing (there: its rows plus the frontend's detokenization) and idle are that "
+              "process's)."]
     with open(os.path.join(out, "serving.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        runs = [r for r in result["runs"] if r["rate"] != "inf"]
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-        if runs:
+        for mode in dict.fromkeys(r.get("engine_mode") for r in result["runs"]):
+            runs = [r for r in result["runs"] if r["rate"] != "inf" and r.get("engine_mode") == mode]
+            if not runs:
+                continue
             rates = [r["rate"] for r in runs]
+            tag = f"{mode} " if mode else ""
             for key, label in (("ttft_ms", "TTFT"), ("e2e_ms", "E2E")):
-                ax[0].plot(rates, [r[key]["p50"] for r in runs], "o-", label=f"{label} p50")
-                ax[0].plot(rates, [r[key]["p99"] for r in runs], "o--", label=f"{label} p99")
-            ax[1].plot(rates, [r["tpot_ms"]["p50"] for r in runs], "o-", label="TPOT p50")
-            ax[1].plot(rates, [r["tpot_ms"]["p99"] for r in runs], "o--", label="TPOT p99")
-            ax[1].plot(rates, [r["itl_ms"]["p99"] for r in runs], "s:", label="ITL p99")
+                ax[0].plot(rates, [r[key]["p50"] for r in runs], "o-", label=f"{tag}{label} p50")
+                ax[0].plot(rates, [r[key]["p99"] for r in runs], "o--", label=f"{tag}{label} p99")
+            ax[1].plot(rates, [r["tpot_ms"]["p50"] for r in runs], "o-", label=f"{tag}TPOT p50")
+            ax[1].plot(rates, [r["tpot_ms"]["p99"] for r in runs], "o--", label=f"{tag}TPOT p99")
+            ax[1].plot(rates, [r["itl_ms"]["p99"] for r in runs], "s:", label=f"{tag}ITL p99")
         for a, y in zip(ax, ("latency (ms)", "per-token latency (ms)")):
             a.set_xlabel("request rate (requests/s)")
             a.set_ylabel(y)
@@ -409,13 +426,44 @@ def main(argv) -> None:
         with open(path) as f:
             result["offline"] = json.load(f)
         print("offline", result["offline"], flush=True)
+    failed = False
+    modes = [None] if FLAGS.url else FLAGS.engine_modes
+    try:
+        for mode in modes:
+            failed |= measure_server(mode, env, result, t_start)
+        if result.get("offline"):
+            off = result["offline"]["output_throughput"]
+            for mode in modes:
+                first = next(r for r in result["runs"] if r.get("engine_mode") == mode)
+                result.setdefault("offline_ratio_by_mode", {})[str(mode)] = first["output_throughput"] / off
+            first = result["runs"][0]
+            result["offline_ratio"] = first["output_throughput"] / off
+            result["offline_ratio_excl_compile"] = first["output_throughput_excl_compile"] / off
+    finally:
+        result["bench_wall_s"] = time.perf_counter() - t_start
+        write_reports(result)
+    print(open(os.path.join(FLAGS.out_dir, "serving.md")).read(), flush=True)
+    if failed:
+        print("FAILED: some requests failed (see errors in serving.json)", flush=True)
+        sys.exit(1)
+    short = {m: r for m, r in result.get("offline_ratio_by_mode", {}).items() if r < FLAGS.min_offline_ratio}
+    if short:
+        print(f"FAILED: HTTP throughput / offline {short} (target {FLAGS.min_offline_ratio})", flush=True)
+        sys.exit(1)
+
+
+def measure_server(mode: str | None, env: dict, result: dict, t_start: float) -> bool:
+    """Start the server in `mode` (None: --url's server), warm it up, run the trace at once
+    and at each rate; append the runs to `result`. True when a request failed."""
+    if mode not in (None, "process", "thread"):
+        raise ValueError(f"--engine_modes: {mode!r} is neither process nor thread")
     server = None
     failed = False
     try:
-        if FLAGS.url:
+        if mode is None:
             url = FLAGS.url
         else:
-            server = Server(free_port(), env)
+            server = Server(free_port(), env, mode)
             server.wait(FLAGS.startup_timeout_s)
             url = server.url
         import httpx
@@ -435,40 +483,27 @@ def main(argv) -> None:
                            make_trace(FLAGS.warmup_rate_prompts, fastest, FLAGS.seed + 2000, vocab)])
         t = time.perf_counter()
         for i, phase in enumerate(phases):
-            warm_results, _ = asyncio.run(drive(url, model, phase, f"warm-up {i + 1}"))
+            warm_results, _ = asyncio.run(drive(url, model, phase, f"{mode} warm-up {i + 1}"))
             if not all(r.ok for r in warm_results):
                 raise RuntimeError(f"warm-up failed: {[r.error for r in warm_results if not r.ok][:3]}")
-        result["warmup_s"] = time.perf_counter() - t
+        result.setdefault("warmup_s", {})[str(mode)] = time.perf_counter() - t
         runs = [(math.inf, trace)] + [(float(r), make_trace(FLAGS.rate_num_prompts, float(r),
                                                             FLAGS.seed + 1 + i, vocab))
                                       for i, r in enumerate(FLAGS.rates)]
-        for rate, tr in runs:
-            if time.perf_counter() - t_start > FLAGS.deadline_s:
-                result.setdefault("skipped_rates", []).append(rate)
+        for k, (rate, tr) in enumerate(runs):
+            if k > 0 and time.perf_counter() - t_start > FLAGS.deadline_s:
+                result.setdefault("skipped_rates", []).append(f"{mode}:{rate}")
                 continue
             before = scrape(url)
-            results, wall = asyncio.run(drive(url, model, tr, f"rate {rate}"))
-            summary = summarize(results, wall, before, scrape(url), rate)
+            results, wall = asyncio.run(drive(url, model, tr, f"{mode} rate {rate}"))
+            summary = {"engine_mode": mode, **summarize(results, wall, before, scrape(url), rate)}
             result["runs"].append(summary)
             print(json.dumps(summary), flush=True)
             failed |= summary["failed"] > 0
-        if result.get("offline"):
-            first, off = result["runs"][0], result["offline"]["output_throughput"]
-            result["offline_ratio"] = first["output_throughput"] / off
-            result["offline_ratio_excl_compile"] = first["output_throughput_excl_compile"] / off
     finally:
         if server is not None:
-            result["server_exit_code"] = server.stop()
-        result["bench_wall_s"] = time.perf_counter() - t_start
-        write_reports(result)
-    print(open(os.path.join(FLAGS.out_dir, "serving.md")).read(), flush=True)
-    if failed:
-        print("FAILED: some requests failed (see errors in serving.json)", flush=True)
-        sys.exit(1)
-    if result.get("offline_ratio", 1.0) < FLAGS.min_offline_ratio:
-        print(f"FAILED: HTTP throughput is {result['offline_ratio']:.3f} of offline "
-              f"(target {FLAGS.min_offline_ratio})", flush=True)
-        sys.exit(1)
+            result.setdefault("server_exit_code", {})[str(mode)] = server.stop()
+    return failed
 
 
 if __name__ == "__main__":

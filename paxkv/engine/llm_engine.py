@@ -63,6 +63,16 @@ class _StepInFlight:
     feature_items: list[int] = dataclasses.field(default_factory=list)  # items with features
 
 
+def check_request(validator: RequestValidator, features: RequestFeatures, prompt: Prompt,
+                  params: SamplingParams) -> tuple[str | None, list[int]]:
+    """`LLMEngine.check_request` with the engine's validator and features passed in, so that a
+    frontend process holding copies built from the engine's settings checks the same way."""
+    validator.params(params)
+    text, ids = validator.prompt(prompt)
+    features.prepare(params, ids, None)
+    return text, ids
+
+
 class LLMEngine:
     """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
 
@@ -127,10 +137,7 @@ class LLMEngine:
         Reads only immutable engine state, so a server may call it from its own threads to
         reject bad input before it reaches the engine thread.
         """
-        self.validator.params(params)
-        text, ids = self.validator.prompt(prompt)
-        self.features.prepare(params, ids, None)
-        return text, ids
+        return check_request(self.validator, self.features, prompt, params)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

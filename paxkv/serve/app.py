@@ -2,7 +2,8 @@
 
 A handler parses its body with the protocol models, builds SamplingParams and runs the
 engine's own request checks on the event loop, so bad input is a 400 before anything reaches
-the engine thread. Admission is bounded: requests that have not produced a token yet count
+the engine (its own process by default, `engine_client.py`; a thread of this one with
+`--no-engine-process`, `engine_loop.py`: the routes see either as an `EngineHandle`). Admission is bounded: requests that have not produced a token yet count
 as waiting, and beyond `max_waiting_requests` a new one gets 503. Responses stream as
 server-sent events (`data: {json}` per delta, `data: [DONE]` last); a client that goes away
 has its requests aborted (by the generator's `finally`), freeing their blocks before the next
@@ -25,7 +26,8 @@ from pydantic import BaseModel, ValidationError
 
 from paxkv.sampling_params import SamplingParams
 from paxkv.serve import protocol as proto
-from paxkv.serve.engine_loop import EngineError, EngineLoop, SampleDelta, Update
+from paxkv.serve.handle import EngineHandle
+from paxkv.serve.streams import EngineError, SampleDelta, Update
 from paxkv.serve.errors import APIError, check_json_object, from_validation_error, from_value_error
 from paxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -38,32 +40,29 @@ _OPEN_PATHS = ("/health", "/metrics")
 class ServerState:
     """Everything the routes share; built once by the CLI (or a test)."""
 
-    llm: Any
+    engine: EngineHandle
     served_model_names: list[str]
     api_key: str | None = None
     max_waiting_requests: int = 10_000
-    max_logprobs: int = 20
-    metrics: ServerMetrics | None = None
-    loop: EngineLoop | None = None
     waiting: int = 0        # admitted engine requests that have produced no token yet
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        if self.metrics is None:
-            self.metrics = ServerMetrics(self.served_model_names[0])
-        if self.loop is None:
-            self.loop = EngineLoop(self.llm, self.metrics)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.max_model_len = self.llm.llm_engine.max_model_len
-        self.max_num_seqs = self.llm.config.scheduler.max_num_seqs
+        info = self.engine.info
+        self.metrics: ServerMetrics = self.engine.metrics
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
+        self.max_logprobs = info.max_logprobs
+        self.vocab_size = info.vocab_size
 
 
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop.start(asyncio.get_running_loop())
+        await state.engine.start()
         yield
-        state.loop.stop()
+        await state.engine.shutdown()
 
     app = FastAPI(title="paxkv", lifespan=lifespan)
     app.state.paxkv = state
@@ -83,8 +82,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.loop.alive:
-            return APIError(503, "the engine loop is not running").response()
+        if not state.engine.alive:
+            return APIError(503, f"the engine is not running ({state.engine.fatal})").response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -119,7 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = await _parse(request, proto.DetokenizeRequest)
         _check_model(state, body.model)
         tok = _need_tokenizer(state, "tokens")
-        vocab = state.llm.llm_engine.model_config.vocab_size
+        vocab = state.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})",
@@ -213,7 +212,7 @@ def _check_prompt(state: ServerState, prompt: Any, params: SamplingParams, field
     """The engine's checks; a grammar that does not compile names the field that gave it."""
     renames = {"prompt": field, "structured_outputs": body.structured_field() or "structured_outputs"}
     try:
-        return state.loop.check(prompt, params)
+        return state.engine.check(prompt, params)
     except ValueError as e:
         raise from_value_error(e, renames, default=field) from None
 
@@ -247,7 +246,7 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
     if len(ids) == 1:   # the common case: no merging queue, one task switch less per delta
         waiting = True
         try:
-            async with contextlib.aclosing(state.loop.generate(f"{request_id}-0", ids[0], params,
+            async with contextlib.aclosing(state.engine.generate(f"{request_id}-0", ids[0], params,
                                                                stream)) as updates:
                 async for update in updates:
                     if waiting:
@@ -265,7 +264,7 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
     async def consume(k: int, prompt_ids: list[int]) -> None:
         waiting = True
         try:
-            async for update in state.loop.generate(f"{request_id}-{k}", prompt_ids, params, stream):
+            async for update in state.engine.generate(f"{request_id}-{k}", prompt_ids, params, stream):
                 if waiting:
                     waiting = False
                     state.waiting -= 1

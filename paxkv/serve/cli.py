@@ -1,4 +1,9 @@
-"""`paxkv serve MODEL` / `python3 -m paxkv.serve MODEL`: flags, model load, uvicorn.
+"""`paxkv serve MODEL` / `python3 -m paxkv.serve MODEL`: flags, engine start, uvicorn.
+
+Two processes by default (vLLM V1's shape): this one, the frontend (uvicorn: HTTP, request
+checks, tokenization, detokenization, SSE), and an engine process that owns the `LLM`
+(`engine_core.py`, joined by a socket pair, `engine_client.py`). `--no-engine-process`
+keeps everything in this process, the engine on a thread (`engine_loop.py`), for comparison.
 
 Engine flags are derived from `LLM.__init__`'s signature, under vLLM's spelling
 (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x / --no-x`), so a new LLM argument
@@ -8,7 +13,8 @@ names and `--no-` booleans are what users of `vllm serve` type.
 
 Shutdown: uvicorn handles SIGTERM / SIGINT by closing the listening socket, letting the
 open responses finish (up to --shutdown-timeout seconds, after which they are cancelled and
-their requests aborted), then stopping the engine loop; the process exits 0.
+their requests aborted), then stopping the engine (process or thread); the process exits 0.
+If the engine process dies, requests in flight fail, the server shuts down and exits 1.
 """
 from __future__ import annotations
 
@@ -100,6 +106,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log one line per HTTP request")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine in a process of its own, apart from the HTTP "
+                        "frontend (--no-engine-process: on a thread of the server process, "
+                        "as vLLM's --disable-frontend-multiprocessing)")
     names = add_engine_flags(parser)
     return parser, names
 
@@ -130,28 +140,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from paxkv.llm import LLM
     from paxkv.serve.app import ServerState, build_app
+    from paxkv.serve.metrics import ServerMetrics
 
+    served = args.served_model_name or [args.model]
+    metrics = ServerMetrics(served[0])
     engine_args = {n: getattr(args, n) for n in names}
-    if args.tokenizer is not None:
-        from paxkv.tokenizer import load_tokenizer
-        engine_args["tokenizer"] = load_tokenizer(args.tokenizer)
-        if engine_args["tokenizer"] is None:
-            parser.error(f"--tokenizer {args.tokenizer}: no tokenizer files there")
-    logger.info("loading %s with %s", args.model, engine_args)
+    logger.info("loading %s with %s (%s)", args.model, engine_args,
+                "engine process" if args.engine_process else "engine thread")
     try:
-        llm = LLM(args.model, **engine_args)
+        engine = (_engine_process(args, engine_args, metrics) if args.engine_process
+                  else _engine_thread(args, engine_args, metrics))
     except ValueError as e:
         parser.error(str(e))
-    state = ServerState(llm, args.served_model_name or [args.model], api_key=args.api_key,
-                        max_waiting_requests=args.max_waiting_requests,
-                        max_logprobs=llm.config.max_logprobs)
+    except RuntimeError as e:   # the engine process died while loading (its log says why)
+        logger.error("%s", e)
+        return 1
+    state = ServerState(engine, served, api_key=args.api_key,
+                        max_waiting_requests=args.max_waiting_requests)
     app = build_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     server = uvicorn.Server(config)
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that does
     # nothing makes that a clean exit 0 instead of death by SIGTERM.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,11 +173,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         loop.run_until_complete(server.serve())
     finally:
-        state.loop.stop()
+        engine.close()
         loop.close()
-    if state.loop.fatal is not None:
+    if engine.fatal is not None:
+        logger.error("exiting: %s", engine.fatal)
         return 1
     return 0
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """The frontend's tokenizer: --tokenizer, else the checkpoint's own (None: ids only)."""
+    from paxkv.tokenizer import load_tokenizer
+    if args.tokenizer is not None:
+        tok = load_tokenizer(args.tokenizer)
+        if tok is None:
+            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer files there")
+        return tok
+    from paxkv.llm import _resolve_model
+    path, _ = _resolve_model(args.model)
+    return load_tokenizer(path) if path is not None else None
+
+
+def _engine_process(args: argparse.Namespace, engine_args: dict[str, Any], metrics: Any) -> Any:
+    from paxkv.serve.engine_client import EngineClient, launch_engine_process
+    tokenizer = _tokenizer(args)   # before the engine loads: a bad --tokenizer fails fast
+    proc, sock, info = launch_engine_process(
+        {"model": args.model, "engine_args": engine_args, "tokenizer": args.tokenizer})
+    return EngineClient(proc, sock, info, tokenizer, metrics)
+
+
+def _engine_thread(args: argparse.Namespace, engine_args: dict[str, Any], metrics: Any) -> Any:
+    from paxkv.llm import LLM
+    from paxkv.serve.engine_loop import EngineLoop
+    if args.tokenizer is not None:
+        engine_args = {**engine_args, "tokenizer": _tokenizer(args)}
+    return EngineLoop(LLM(args.model, **engine_args), metrics)
 
 
 if __name__ == "__main__":

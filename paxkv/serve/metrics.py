@@ -1,17 +1,19 @@
 """Prometheus metrics of the server, under vLLM's names with a `paxkv:` prefix.
 
 Each server owns a private CollectorRegistry (several servers in one process, as in tests,
-never collide). Gauges are set by the engine thread after every step; counters and
-histograms are updated where the event happens. The `*_seconds_total` counters split the
-server's wall time (engine step, output processing / detokenization, engine idle, event-loop
-busy) so a benchmark can state where the time went.
+never collide). Gauges are set from the engine's `EngineState` after every step (sent by
+the engine process, or read by the in-process engine thread); counters and histograms are
+updated where the event happens. The `*_seconds_total` counters split the server's wall time
+(engine step, output processing / detokenization, engine idle, event-loop busy; with an
+engine process the first and third are that process's own time) so a benchmark can state
+where the time went.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from paxkv.serve.ipc import EngineState
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -57,10 +59,10 @@ class ServerMetrics:
                                            "Wall time inside engine.step()", registry=r)
         self.output_processing_seconds = Counter(
             "paxkv:output_processing_seconds",
-            "Engine-thread time turning step outputs into updates (detokenization included)",
+            "Time turning step outputs into updates (engine-side rows, detokenization included)",
             registry=r)
         self.engine_idle_seconds = Counter("paxkv:engine_idle_seconds",
-                                           "Engine thread waiting for requests", registry=r)
+                                           "Engine loop waiting for requests", registry=r)
         self.frontend_busy_seconds = Counter(
             "paxkv:frontend_busy_seconds",
             "Event-loop time not spent waiting for sockets (HTTP parsing, handlers, JSON, SSE)",
@@ -74,30 +76,23 @@ class ServerMetrics:
         self._queries_seen = 0
         self._hits_seen = 0
 
-    def observe_step(self, engine: Any, step_s: float, process_s: float) -> None:
-        """Engine-thread bookkeeping after one step: gauges, counters, and bounded history."""
-        self.observe_state(engine)
+    def observe_step(self, state: EngineState, step_s: float, process_s: float) -> None:
+        """After one engine step: gauges, counters, and where the step's time went."""
+        self.observe_state(state)
         self.engine_step_seconds.inc(step_s)
         self.output_processing_seconds.inc(process_s)
-        # The engine keeps one StepStats per step for offline summaries; a server runs for days.
-        engine.metrics.steps.clear()
 
-    def observe_state(self, engine: Any) -> None:
+    def observe_state(self, state: EngineState) -> None:
         """Gauges and cumulative counters from the engine (also after aborts, with no step)."""
-        sched, bm = engine.scheduler, engine.block_manager
-        waiting = sched.num_waiting
-        self.num_requests_waiting.set(waiting)
-        self.num_requests_swapped.set(sched.num_swapped)
-        self.num_requests_running.set(max(0, engine.get_num_unfinished_requests() - waiting
-                                          - sched.num_swapped))
-        self.kv_cache_usage_perc.set(bm.num_used_blocks / max(1, bm.num_blocks - 1))
-        self._advance(self.num_preemptions, "_preemptions_seen", sched.num_preemptions)
-        self._advance(self.prefix_cache_queries, "_queries_seen", bm.prefix_cache_queries)
-        self._advance(self.prefix_cache_hits, "_hits_seen", bm.prefix_cache_hits)
-        runner = getattr(engine, "runner", None)
-        if runner is not None:
-            self.num_compilations.set(getattr(runner, "num_compilations", 0))
-            self.compile_seconds.set(getattr(runner, "compile_time_s", 0.0))
+        self.num_requests_waiting.set(state.num_waiting)
+        self.num_requests_swapped.set(state.num_swapped)
+        self.num_requests_running.set(state.num_running)
+        self.kv_cache_usage_perc.set(state.kv_cache_usage)
+        self._advance(self.num_preemptions, "_preemptions_seen", state.num_preemptions)
+        self._advance(self.prefix_cache_queries, "_queries_seen", state.prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "_hits_seen", state.prefix_cache_hits)
+        self.num_compilations.set(state.num_compilations)
+        self.compile_seconds.set(state.compile_s)
 
     def _advance(self, counter: Counter, attr: str, total: int) -> None:
         seen = getattr(self, attr)
