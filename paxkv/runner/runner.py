@@ -23,6 +23,7 @@ from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
 from paxkv.runner.buckets import pick_bucket, pow2_buckets
+from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, sample
 from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
 
@@ -292,6 +293,17 @@ class Runner:
         self.kv_pool = _scatter_blocks(self.kv_pool, self._ids(dev_p), blocks)
 
     # ---- the step -----------------------------------------------------------------------
+    _table_rows: dict[tuple[int, int], TableRows] | None = None   # per table shape, made on use
+
+    def _table_rows_of(self, num_seqs: int, width: int) -> TableRows:
+        """The last packed block tables of this shape (most rows are unchanged next step)."""
+        if self._table_rows is None:
+            self._table_rows = {}
+        rows = self._table_rows.get((num_seqs, width))
+        if rows is None:
+            rows = self._table_rows[num_seqs, width] = TableRows(num_seqs, width)
+        return rows
+
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
         """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
         bs = self.block_size
@@ -302,9 +314,7 @@ class Runner:
         if self.fixed_shapes and not decode_only:
             num_seqs = self.seq_buckets[-1]
         width = pick_bucket(max(len(it.block_table) for it in items), self.block_buckets)
-        tables = np.zeros((num_seqs, width), np.int32)
-        for i, it in enumerate(items):
-            tables[i, :len(it.block_table)] = it.block_table
+        tables = self._table_rows_of(num_seqs, width).fill([it.block_table for it in items])
         starts = np.fromiter((it.start for it in items), np.int32, n)
         cu = np.zeros(num_seqs + 1, np.int32)
         np.cumsum(q_lens, out=cu[1:n + 1])
