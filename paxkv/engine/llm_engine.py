@@ -84,6 +84,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._aborted_outputs: list[RequestOutput] = []
         self._beam_results: dict[str, BeamRequest] = {}
+        self._host_sync: dict[str, EngineRequest] = {}   # requests that may need the host
         self._in_flight: _StepInFlight | None = None
         self._step_index = 0
         self.num_scheduler_steps = max(1, int(config.num_scheduler_steps))
@@ -103,6 +104,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def _register(self, req: EngineRequest, seq: Seq) -> None:
         self.requests[req.request_id] = req
+        if req.needs_host_sync:
+            self._host_sync[req.request_id] = req
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
 
@@ -222,39 +225,55 @@ class LLMEngine:
         if isinstance(req, BeamRequest):   # greedy row + the top-K continuations of this beam
             return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
         p = req.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         banned: tuple[int, ...] = ()
         if n_out < p.min_tokens:
             banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
-        indices = tuple(range(p.best_of)) if req.will_fork else (index,)
-        features = self.features.row_features(req.features, seq)
+        features = None if req.features is None else self.features.row_features(req.features, seq)
+        if not req.will_fork:              # one row: the common case
+            return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p,
+                              req.sample_seed(index), n_out, banned, p.logprobs or 0, features)]
         return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
-                          n_out, banned, p.logprobs or 0, features) for i in indices]
+                          n_out, banned, p.logprobs or 0, features) for i in range(p.best_of)]
 
     def _needs_sync(self) -> bool:
-        """Whether this step must be read back before the next is scheduled."""
+        """Whether this step must be read back before the next is scheduled.
+
+        Only the requests that needed the host when registered are asked: a request's need
+        can end (at its fork) but never begin, so plain requests cost nothing here per step.
+        """
         if not self.async_scheduling:
             return True
-        return any(r.needs_host_sync for r in self.requests.values())
+        ended = [rid for rid, r in self._host_sync.items() if not r.needs_host_sync]
+        for rid in ended:
+            del self._host_sync[rid]
+        return bool(self._host_sync)
 
     def _dispatch(self, out: SchedulerOutput, k: int) -> _StepInFlight:
         """Build the step's work items and sampling rows, and queue it on the device."""
         items, rows, row_seqs, feature_items = [], [], [], []
+        owner = self._owner
         for i, c in enumerate(out.chunks):
             seq = c.seq
-            req = self._owner[seq.seq_id][0]
+            req = owner[seq.seq_id][0]
+            start = c.start
             if c.is_prefill and req.num_cached_tokens is None:   # its first chunk starts after the hit
-                req.num_cached_tokens = c.start
-            item_features = self.features.item_features(req.features, c.start, c.num_tokens,
-                                                        c.needs_sample)
-            if item_features is not None:
-                feature_items.append(i)
-            items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
+                req.num_cached_tokens = start
+            item_features = None
+            if req.features is not None:
+                item_features = self.features.item_features(req.features, start, c.num_tokens,
+                                                            c.needs_sample)
+                if item_features is not None:
+                    feature_items.append(i)
+            items.append(WorkItem(seq.token_ids[start:start + c.num_tokens], start,
                                   seq.block_table, item_features))
             if c.needs_sample:
                 r = self._rows_for(i, seq)
-                rows.extend(r)
-                row_seqs.extend([seq] * len(r))
+                rows += r
+                if len(r) == 1:
+                    row_seqs.append(seq)
+                else:
+                    row_seqs += [seq] * len(r)
         if k > 1:
             pending = self.runner.dispatch_multi_decode(items, rows, k)
         else:   # grammar masks are computed while the forward runs
@@ -326,14 +345,16 @@ class LLMEngine:
         for it, and finish now the sequences whose length limit it reaches (their blocks
         are free for the next step; the token itself still arrives)."""
         at = []
+        owner = self._owner
+        reaches_length_limit = self.output_processor.reaches_length_limit
         for r, seq in enumerate(step.row_seqs):
-            if seq.status.is_finished() or seq.seq_id not in self._owner:
+            entry = owner.get(seq.seq_id)
+            if entry is None or seq.status.is_finished():
                 at.append(-1)            # stopped when the previous step was read
                 continue
             seq.append_placeholder(r)
-            at.append(seq.num_tokens - 1)
-            req = self._owner[seq.seq_id][0]
-            if self.output_processor.reaches_length_limit(req, seq):
+            at.append(len(seq.token_ids) - 1)
+            if reaches_length_limit(entry[0], seq):
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         step.placeholder_at = at
 
@@ -403,15 +424,17 @@ class LLMEngine:
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         touched: dict[str, EngineRequest] = {}
+        ended: set[str] = set()          # requests a sequence of which finished now
         beams: dict[str, BeamRequest] = {}
         record = self.output_processor.record_token
+        owner = self._owner
         r = 0
         while r < len(rows):
             seq = row_seqs[r]
             if not self._row_is_live(step, r, seq):
                 r += 1
                 continue
-            req, _ = self._owner[seq.seq_id]
+            req, _ = owner[seq.seq_id]
             if isinstance(req, BeamRequest):
                 req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
                 beams[req.request_id] = req
@@ -428,10 +451,12 @@ class LLMEngine:
                 req.forked = True
             hidden = (self.features.generated_hidden(req.features, rows[r].item, sample)
                       if req.features is not None else None)
+            with_top = req.params.logprobs is not None
             for j in range(group):
                 target = req.samples[j] if group > 1 else seq
-                record(req, target, tokens[r + j], logprobs[r + j],
-                       sample.top_ids[r + j], sample.top_logprobs[r + j], hidden)
+                top = (sample.top_ids[r + j], sample.top_logprobs[r + j]) if with_top else ((), ())
+                if record(req, target, tokens[r + j], logprobs[r + j], *top, hidden):
+                    ended.add(req.request_id)
             touched[req.request_id] = req
             r += group
         for rid, req in beams.items():
@@ -440,7 +465,7 @@ class LLMEngine:
                 if req.beam.done:
                     self._beam_results[rid] = req
                     self._retire(req)
-        self._finish_touched(touched, changed, only_finished)
+        self._finish_touched(touched, ended, changed, only_finished)
 
     def _apply_multi(self, step: _StepInFlight, sample: HostSample,
                      changed: dict[str, RequestOutput], only_finished: bool) -> None:
@@ -449,24 +474,32 @@ class LLMEngine:
         logprobs = sample.logprobs.tolist()
         seqs = [c.seq for c in step.sched.chunks]
         touched: dict[str, EngineRequest] = {}
+        ended: set[str] = set()
+        owner = self._owner
+        record = self.output_processor.record_token
         for j in range(step.num_steps):
             if j > 0:
                 self.scheduler.on_extra_decode_step(seqs)
+            step_tokens, step_logprobs = tokens[j], logprobs[j]
             for i, seq in enumerate(seqs):
-                if seq.status.is_finished() or seq.seq_id not in self._owner:
+                entry = owner.get(seq.seq_id)
+                if entry is None or seq.status.is_finished():
                     continue   # stopped at an earlier step: its later tokens are discarded
-                req, _ = self._owner[seq.seq_id]
-                self.output_processor.record_token(req, seq, tokens[j][i], logprobs[j][i], (), ())
+                req = entry[0]
+                if record(req, seq, step_tokens[i], step_logprobs[i], (), ()):
+                    ended.add(req.request_id)
                 touched[req.request_id] = req
-        self._finish_touched(touched, changed, only_finished)
+        self._finish_touched(touched, ended, changed, only_finished)
 
-    def _finish_touched(self, touched: dict[str, EngineRequest], changed: dict[str, RequestOutput],
-                        only_finished: bool) -> None:
+    def _finish_touched(self, touched: dict[str, EngineRequest], ended: set[str],
+                        changed: dict[str, RequestOutput], only_finished: bool) -> None:
+        """Outputs and retirement of the requests a step gave tokens; only those in `ended`
+        (a sequence of theirs finished) can have finished."""
         now = time.monotonic()
         for rid, req in touched.items():
             if req.timing is not None and req.timing.first_token_time is None:
                 req.timing.first_token_time = now
-            finished = req.finished
+            finished = rid in ended and req.finished
             if finished and req.timing is not None:
                 req.timing.finished_time = now
             if finished or not only_finished:
@@ -488,5 +521,6 @@ class LLMEngine:
 
     def _retire(self, req: EngineRequest) -> None:
         self.requests.pop(req.request_id, None)
+        self._host_sync.pop(req.request_id, None)
         for s in req.samples:
             self._owner.pop(s.seq_id, None)
