@@ -230,9 +230,9 @@ class LLMEngine:
         if n_out < p.min_tokens:
             banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
         features = None if req.features is None else self.features.row_features(req.features, seq)
-        if not req.will_fork:              # one row: the common case
-            return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p,
-                              req.sample_seed(index), n_out, banned, p.logprobs or 0, features)]
+        if not req.will_fork:   # one row, the common case (_make: half the cost of the keywords' __new__)
+            return [SampleRow._make((chunk_index, p.temperature, p.top_k, p.top_p, p.min_p,
+                                     req.sample_seed(index), n_out, banned, p.logprobs or 0, features))]
         return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
                           n_out, banned, p.logprobs or 0, features) for i in range(p.best_of)]
 
@@ -305,8 +305,8 @@ class LLMEngine:
         k = self._multi_step_count(out)
         step = None
         if out.chunks:
-            if k > 1:
-                self._reserve_multi_step(out, k)
+            if k > 1 and not self._reserve_multi_step(out, k):
+                k = 1
             step = self._dispatch(out, k)
             compile_s += step.pending.compile_s
         if self._in_flight is not None:            # step t-1, read while step t runs
@@ -363,7 +363,8 @@ class LLMEngine:
 
         Several steps per host round trip only when the batch is plain decoding: no block
         movement, no pending fork (n > 1 before its first token), no beams, no logprobs or
-        min_tokens bans, and room in the pool for every sequence's next k tokens.
+        min_tokens bans; and (checked as they are reserved, `_reserve_multi_step`) room in
+        the pool for every sequence's next k tokens.
         """
         k = self.num_scheduler_steps
         if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
@@ -371,27 +372,28 @@ class LLMEngine:
         if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
             return 1
         longest = 0
+        owner = self._owner
         for c in out.chunks:
-            req, _ = self._owner[c.seq.seq_id]
+            seq = c.seq
+            req = owner[seq.seq_id][0]
             p = req.params
+            num_tokens = len(seq.token_ids)
             if (c.num_tokens != 1 or not c.needs_sample or req.needs_host_sync
-                    or p.logprobs is not None or c.seq.num_output_tokens < p.min_tokens):
+                    or p.logprobs is not None or num_tokens - seq.num_prompt_tokens < p.min_tokens):
                 return 1
-            longest = max(longest, c.seq.num_tokens)
+            if num_tokens > longest:
+                longest = num_tokens
         k = min(k, self.max_model_len - longest + 1)
-        if k <= 1:
-            return 1
-        bm = self.block_manager
-        if bm.blocks_needed(tuple((c.seq, k) for c in out.chunks)) > bm.num_available_blocks:
-            return 1
-        return k
+        return k if k > 1 else 1
 
-    def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> None:
-        """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared)."""
-        copies = []
-        for c in out.chunks:
-            copies += self.block_manager.append_slots(c.seq, k)
+    def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> bool:
+        """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared), all
+        or nothing; False when the pool has no room for them (the step then runs once)."""
+        copies = self.block_manager.allocate_slots([(c.seq, k) for c in out.chunks])
+        if copies is None:
+            return False
         self.runner.copy_blocks(copies)
+        return True
 
     # ---- reading a step back -----------------------------------------------------------------
     def _process(self, step: _StepInFlight, changed: dict[str, RequestOutput],
@@ -473,22 +475,23 @@ class LLMEngine:
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         seqs = [c.seq for c in step.sched.chunks]
-        touched: dict[str, EngineRequest] = {}
-        ended: set[str] = set()
         owner = self._owner
+        live = [(i, seq, owner[seq.seq_id][0]) for i, seq in enumerate(seqs)
+                if seq.seq_id in owner and not seq.status.is_finished()]
+        touched: dict[str, EngineRequest] = {req.request_id: req for _, _, req in live}
+        ended: set[str] = set()
         record = self.output_processor.record_token
         for j in range(step.num_steps):
             if j > 0:
                 self.scheduler.on_extra_decode_step(seqs)
             step_tokens, step_logprobs = tokens[j], logprobs[j]
-            for i, seq in enumerate(seqs):
-                entry = owner.get(seq.seq_id)
-                if entry is None or seq.status.is_finished():
-                    continue   # stopped at an earlier step: its later tokens are discarded
-                req = entry[0]
+            stopped = False
+            for i, seq, req in live:
                 if record(req, seq, step_tokens[i], step_logprobs[i], (), ()):
                     ended.add(req.request_id)
-                touched[req.request_id] = req
+                    stopped = True
+            if stopped:   # a sequence that stopped has its later tokens discarded
+                live = [entry for entry in live if not entry[1].status.is_finished()]
         self._finish_touched(touched, ended, changed, only_finished)
 
     def _finish_touched(self, touched: dict[str, EngineRequest], ended: set[str],
