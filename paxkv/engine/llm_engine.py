@@ -36,6 +36,7 @@ from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int]
+_NO_TOP = ((), ())   # top-k ids and logprobs of a row whose request asked for none
 
 
 @dataclasses.dataclass
@@ -219,9 +220,9 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- building a step ----------------------------------------------------------------------
-    def _rows_for(self, chunk_index: int, seq: Seq) -> list[SampleRow]:
-        """Sampling rows for a chunk that reaches its sequence's last token."""
-        req, index = self._owner[seq.seq_id]
+    def _rows_for(self, chunk_index: int, seq: Seq, req: EngineRequest, index: int) -> list[SampleRow]:
+        """Sampling rows for a chunk that reaches its sequence's last token (sample `index`
+        of `req`)."""
         if isinstance(req, BeamRequest):   # greedy row + the top-K continuations of this beam
             return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
         p = req.params
@@ -255,7 +256,7 @@ class LLMEngine:
         owner = self._owner
         for i, c in enumerate(out.chunks):
             seq = c.seq
-            req = owner[seq.seq_id][0]
+            req, index = owner[seq.seq_id]
             start = c.start
             if c.is_prefill and req.num_cached_tokens is None:   # its first chunk starts after the hit
                 req.num_cached_tokens = start
@@ -268,7 +269,7 @@ class LLMEngine:
             items.append(WorkItem(seq.token_ids[start:start + c.num_tokens], start,
                                   seq.block_table, item_features))
             if c.needs_sample:
-                r = self._rows_for(i, seq)
+                r = self._rows_for(i, seq, req, index)
                 rows += r
                 if len(r) == 1:
                     row_seqs.append(seq)
@@ -412,7 +413,7 @@ class LLMEngine:
         if step.placeholder_at is None:
             return not seq.status.is_finished()
         at = step.placeholder_at[r]
-        return at >= 0 and at == seq.num_tokens - 1 and seq.num_pending_tokens > 0
+        return at >= 0 and at == len(seq.token_ids) - 1 and seq.num_pending_tokens > 0
 
     def _apply(self, step: _StepInFlight, sample: HostSample, changed: dict[str, RequestOutput],
                only_finished: bool) -> None:
@@ -456,7 +457,7 @@ class LLMEngine:
             with_top = req.params.logprobs is not None
             for j in range(group):
                 target = req.samples[j] if group > 1 else seq
-                top = (sample.top_ids[r + j], sample.top_logprobs[r + j]) if with_top else ((), ())
+                top = (sample.top_ids[r + j], sample.top_logprobs[r + j]) if with_top else _NO_TOP
                 if record(req, target, tokens[r + j], logprobs[r + j], *top, hidden):
                     ended.add(req.request_id)
             touched[req.request_id] = req
