@@ -431,37 +431,30 @@ class LLMEngine:
         beams: dict[str, BeamRequest] = {}
         record = self.output_processor.record_token
         owner = self._owner
+        live = self._row_is_live
         r = 0
         while r < len(rows):
             seq = row_seqs[r]
-            if not self._row_is_live(step, r, seq):
+            if not live(step, r, seq):
                 r += 1
                 continue
-            req, _ = owner[seq.seq_id]
+            req = owner[seq.seq_id][0]
             if isinstance(req, BeamRequest):
                 req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
                 beams[req.request_id] = req
                 r += 1
                 continue
-            group = 1
-            if req.will_fork:
-                group = req.params.best_of
-                children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(group - 1)]
-                for j, child in enumerate(children, start=1):
-                    req.samples.append(child)
-                    self._owner[child.seq_id] = (req, j)
-                    self.features.on_fork(req.features, seq, child)
-                req.forked = True
+            # The rows of one request's samples are adjacent: best_of rows at its fork.
+            targets = self._fork_samples(req, seq) if req.will_fork else (seq,)
             hidden = (self.features.generated_hidden(req.features, rows[r].item, sample)
                       if req.features is not None else None)
             with_top = req.params.logprobs is not None
-            for j in range(group):
-                target = req.samples[j] if group > 1 else seq
-                top = (sample.top_ids[r + j], sample.top_logprobs[r + j]) if with_top else _NO_TOP
-                if record(req, target, tokens[r + j], logprobs[r + j], *top, hidden):
+            for target in targets:
+                top = (sample.top_ids[r], sample.top_logprobs[r]) if with_top else _NO_TOP
+                if record(req, target, tokens[r], logprobs[r], *top, hidden):
                     ended.add(req.request_id)
+                r += 1
             touched[req.request_id] = req
-            r += group
         for rid, req in beams.items():
             if req.beam.ready():
                 req.beam.advance(self._fork_beam, self._drop_beam)
@@ -469,6 +462,16 @@ class LLMEngine:
                     self._beam_results[rid] = req
                     self._retire(req)
         self._finish_touched(touched, ended, changed, only_finished)
+
+    def _fork_samples(self, req: SamplingRequest, seq: Seq) -> list[Seq]:
+        """A request's first token: fork its prompt into best_of samples (seq is sample 0)."""
+        children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(req.params.best_of - 1)]
+        for j, child in enumerate(children, start=1):
+            req.samples.append(child)
+            self._owner[child.seq_id] = (req, j)
+            self.features.on_fork(req.features, seq, child)
+        req.forked = True
+        return req.samples[:req.params.best_of]
 
     def _apply_multi(self, step: _StepInFlight, sample: HostSample,
                      changed: dict[str, RequestOutput], only_finished: bool) -> None:

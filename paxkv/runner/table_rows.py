@@ -4,7 +4,8 @@ A sequence's block table grows by one block every `block_size` tokens, so betwee
 steps of a steady batch almost every row is the same as before. Writing 256 Python lists of
 ~40 ids into numpy each step cost more than the rest of the runner's packing together
 (`results/host_profile.md`); comparing each list with the one a row was last filled from
-is a pointer walk in C, and only the rows that differ are written again.
+is a pointer walk in C, and only the rows that differ are written again (a grown table: only
+its new ids).
 """
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ class TableRows:
         return array.copy()
 
     def _write(self, i: int, table: Sequence[int]) -> None:
-        n = len(table)
+        old, n = self.rows[i], len(table)
+        m = len(old)
+        if m < n and table[:m] == old:    # it grew (the common change): write the new ids only
+            self.array[i, m:n] = table[m:]
+            old.extend(table[m:])
+            return
         self.array[i, :n] = table
-        self.array[i, n:len(self.rows[i])] = 0
+        self.array[i, n:m] = 0
         self.rows[i] = list(table)
