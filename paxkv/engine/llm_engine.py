@@ -432,8 +432,9 @@ class LLMEngine:
         record = self.output_processor.record_token
         owner = self._owner
         live = self._row_is_live
+        num_rows = len(rows)
         r = 0
-        while r < len(rows):
+        while r < num_rows:
             seq = row_seqs[r]
             if not live(step, r, seq):
                 r += 1
