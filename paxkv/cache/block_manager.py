@@ -135,8 +135,8 @@ class BlockManager:
         Counts tokens whose K/V is written (the just-sampled token has none yet), so it
         compares like for like with the physical blocks in use.
         """
-        bs = self.block_size
-        return sum(_cdiv(s.num_computed_tokens, bs) for s in self._device_seqs.values())
+        bs = self.block_size   # a list, not a generator: this runs every step, over every sequence
+        return sum([-(-s.num_computed_tokens // bs) for s in self._device_seqs.values()])
 
     def num_tokens_in_use(self) -> int:
         """Token slots the device-resident sequences fill (shared tokens counted per sequence)."""

@@ -37,6 +37,7 @@ from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int]
+_NO_TOP = ((), ())   # top-k ids and logprobs of a row whose request asked for none
 
 
 @dataclasses.dataclass
@@ -94,6 +95,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._aborted_outputs: list[RequestOutput] = []
         self._beam_results: dict[str, BeamRequest] = {}
+        self._host_sync: dict[str, EngineRequest] = {}   # requests that may need the host
         self._in_flight: _StepInFlight | None = None
         self._step_index = 0
         self.num_scheduler_steps = config.num_scheduler_steps
@@ -113,6 +115,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def _register(self, req: EngineRequest, seq: Seq) -> None:
         self.requests[req.request_id] = req
+        if req.needs_host_sync:
+            self._host_sync[req.request_id] = req
         self._owner[seq.seq_id] = (req, 0)
         self.scheduler.add_seq(seq)
 
@@ -223,45 +227,61 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- building a step ----------------------------------------------------------------------
-    def _rows_for(self, chunk_index: int, seq: Seq) -> list[SampleRow]:
-        """Sampling rows for a chunk that reaches its sequence's last token."""
-        req, index = self._owner[seq.seq_id]
+    def _rows_for(self, chunk_index: int, seq: Seq, req: EngineRequest, index: int) -> list[SampleRow]:
+        """Sampling rows for a chunk that reaches its sequence's last token (sample `index`
+        of `req`)."""
         if isinstance(req, BeamRequest):   # greedy row + the top-K continuations of this beam
             return [SampleRow(chunk_index, num_logprobs=req.beam.keep)]
         p = req.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         banned: tuple[int, ...] = ()
         if n_out < p.min_tokens:
             banned = tuple(([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids))
-        indices = tuple(range(p.best_of)) if req.will_fork else (index,)
-        features = self.features.row_features(req.features, seq)
+        features = None if req.features is None else self.features.row_features(req.features, seq)
+        if not req.will_fork:   # one row, the common case (_make: half the cost of the keywords' __new__)
+            return [SampleRow._make((chunk_index, p.temperature, p.top_k, p.top_p, p.min_p,
+                                     req.sample_seed(index), n_out, banned, p.logprobs or 0, features))]
         return [SampleRow(chunk_index, p.temperature, p.top_k, p.top_p, p.min_p, req.sample_seed(i),
-                          n_out, banned, p.logprobs or 0, features) for i in indices]
+                          n_out, banned, p.logprobs or 0, features) for i in range(p.best_of)]
 
     def _needs_sync(self) -> bool:
-        """Whether this step must be read back before the next is scheduled."""
+        """Whether this step must be read back before the next is scheduled.
+
+        Only the requests that needed the host when registered are asked: a request's need
+        can end (at its fork) but never begin, so plain requests cost nothing here per step.
+        """
         if not self.async_scheduling:
             return True
-        return any(r.needs_host_sync for r in self.requests.values())
+        ended = [rid for rid, r in self._host_sync.items() if not r.needs_host_sync]
+        for rid in ended:
+            del self._host_sync[rid]
+        return bool(self._host_sync)
 
     def _dispatch(self, out: SchedulerOutput, k: int) -> _StepInFlight:
         """Build the step's work items and sampling rows, and queue it on the device."""
         items, rows, row_seqs, feature_items = [], [], [], []
+        owner = self._owner
         for i, c in enumerate(out.chunks):
             seq = c.seq
-            req = self._owner[seq.seq_id][0]
+            req, index = owner[seq.seq_id]
+            start = c.start
             if c.is_prefill and req.num_cached_tokens is None:   # its first chunk starts after the hit
-                req.num_cached_tokens = c.start
-            item_features = self.features.item_features(req.features, c.start, c.num_tokens,
-                                                        c.needs_sample)
-            if item_features is not None:
-                feature_items.append(i)
-            items.append(WorkItem(seq.token_ids[c.start:c.start + c.num_tokens], c.start,
+                req.num_cached_tokens = start
+            item_features = None
+            if req.features is not None:
+                item_features = self.features.item_features(req.features, start, c.num_tokens,
+                                                            c.needs_sample)
+                if item_features is not None:
+                    feature_items.append(i)
+            items.append(WorkItem(seq.token_ids[start:start + c.num_tokens], start,
                                   seq.block_table, item_features))
             if c.needs_sample:
-                r = self._rows_for(i, seq)
-                rows.extend(r)
-                row_seqs.extend([seq] * len(r))
+                r = self._rows_for(i, seq, req, index)
+                rows += r
+                if len(r) == 1:
+                    row_seqs.append(seq)
+                else:
+                    row_seqs += [seq] * len(r)
         if k > 1:
             pending = self.runner.dispatch_multi_decode(items, rows, k)
         else:   # grammar masks are computed while the forward runs
@@ -293,8 +313,8 @@ class LLMEngine:
         k = self._multi_step_count(out)
         step = None
         if out.chunks:
-            if k > 1:
-                self._reserve_multi_step(out, k)
+            if k > 1 and not self._reserve_multi_step(out, k):
+                k = 1
             step = self._dispatch(out, k)
             compile_s += step.pending.compile_s
         if self._in_flight is not None:            # step t-1, read while step t runs
@@ -333,14 +353,16 @@ class LLMEngine:
         for it, and finish now the sequences whose length limit it reaches (their blocks
         are free for the next step; the token itself still arrives)."""
         at = []
+        owner = self._owner
+        reaches_length_limit = self.output_processor.reaches_length_limit
         for r, seq in enumerate(step.row_seqs):
-            if seq.status.is_finished() or seq.seq_id not in self._owner:
+            entry = owner.get(seq.seq_id)
+            if entry is None or seq.status.is_finished():
                 at.append(-1)            # stopped when the previous step was read
                 continue
             seq.append_placeholder(r)
-            at.append(seq.num_tokens - 1)
-            req = self._owner[seq.seq_id][0]
-            if self.output_processor.reaches_length_limit(req, seq):
+            at.append(len(seq.token_ids) - 1)
+            if reaches_length_limit(entry[0], seq):
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         step.placeholder_at = at
 
@@ -349,8 +371,8 @@ class LLMEngine:
 
         Several steps per host round trip only when the batch is plain decoding: no block
         movement, no pending fork (n > 1 before its first token), no beams, no logprobs,
-        min_tokens bans or sampling features, and room in the pool for every sequence's next
-        k tokens.
+        min_tokens bans or sampling features; and (checked as they are reserved,
+        `_reserve_multi_step`) room in the pool for every sequence's next k tokens.
         """
         k = self.num_scheduler_steps
         if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
@@ -358,28 +380,29 @@ class LLMEngine:
         if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
             return 1
         longest = 0
+        owner = self._owner
         for c in out.chunks:
-            req, _ = self._owner[c.seq.seq_id]
+            seq = c.seq
+            req = owner[seq.seq_id][0]
             p = req.params
+            num_tokens = len(seq.token_ids)
             if (c.num_tokens != 1 or not c.needs_sample or req.needs_host_sync
                     or req.features is not None or p.logprobs is not None
-                    or c.seq.num_output_tokens < p.min_tokens):
+                    or num_tokens - seq.num_prompt_tokens < p.min_tokens):
                 return 1
-            longest = max(longest, c.seq.num_tokens)
+            if num_tokens > longest:
+                longest = num_tokens
         k = min(k, self.max_model_len - longest + 1)
-        if k <= 1:
-            return 1
-        bm = self.block_manager
-        if bm.blocks_needed(tuple((c.seq, k) for c in out.chunks)) > bm.num_available_blocks:
-            return 1
-        return k
+        return k if k > 1 else 1
 
-    def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> None:
-        """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared)."""
-        copies = []
-        for c in out.chunks:
-            copies += self.block_manager.append_slots(c.seq, k)
+    def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> bool:
+        """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared), all
+        or nothing; False when the pool has no room for them (the step then runs once)."""
+        copies = self.block_manager.allocate_slots([(c.seq, k) for c in out.chunks])
+        if copies is None:
+            return False
         self.runner.copy_blocks(copies)
+        return True
 
     # ---- reading a step back -----------------------------------------------------------------
     def _process(self, step: _StepInFlight, changed: dict[str, RequestOutput],
@@ -398,7 +421,7 @@ class LLMEngine:
         if step.placeholder_at is None:
             return not seq.status.is_finished()
         at = step.placeholder_at[r]
-        return at >= 0 and at == seq.num_tokens - 1 and seq.num_pending_tokens > 0
+        return at >= 0 and at == len(seq.token_ids) - 1 and seq.num_pending_tokens > 0
 
     def _apply(self, step: _StepInFlight, sample: HostSample, changed: dict[str, RequestOutput],
                only_finished: bool) -> None:
@@ -412,44 +435,52 @@ class LLMEngine:
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         touched: dict[str, EngineRequest] = {}
+        ended: set[str] = set()          # requests a sequence of which finished now
         beams: dict[str, BeamRequest] = {}
         record = self.output_processor.record_token
+        owner = self._owner
+        live = self._row_is_live
+        num_rows = len(rows)
         r = 0
-        while r < len(rows):
+        while r < num_rows:
             seq = row_seqs[r]
-            if not self._row_is_live(step, r, seq):
+            if not live(step, r, seq):
                 r += 1
                 continue
-            req, _ = self._owner[seq.seq_id]
+            req = owner[seq.seq_id][0]
             if isinstance(req, BeamRequest):
                 req.beam.pending[seq.seq_id] = (sample.top_ids[r], sample.top_logprobs[r])
                 beams[req.request_id] = req
                 r += 1
                 continue
-            group = 1
-            if req.will_fork:
-                group = req.params.best_of
-                children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(group - 1)]
-                for j, child in enumerate(children, start=1):
-                    req.samples.append(child)
-                    self._owner[child.seq_id] = (req, j)
-                    self.features.on_fork(req.features, seq, child)
-                req.forked = True
+            # The rows of one request's samples are adjacent: best_of rows at its fork.
+            targets = self._fork_samples(req, seq) if req.will_fork else (seq,)
             hidden = (self.features.generated_hidden(req.features, rows[r].item, sample)
                       if req.features is not None else None)
-            for j in range(group):
-                target = req.samples[j] if group > 1 else seq
-                record(req, target, tokens[r + j], logprobs[r + j],
-                       sample.top_ids[r + j], sample.top_logprobs[r + j], hidden)
+            with_top = req.params.logprobs is not None
+            for target in targets:
+                top = (sample.top_ids[r], sample.top_logprobs[r]) if with_top else _NO_TOP
+                if record(req, target, tokens[r], logprobs[r], *top, hidden):
+                    ended.add(req.request_id)
+                r += 1
             touched[req.request_id] = req
-            r += group
         for rid, req in beams.items():
             if req.beam.ready():
                 req.beam.advance(self._fork_beam, self._drop_beam)
                 if req.beam.done:
                     self._beam_results[rid] = req
                     self._retire(req)
-        self._finish_touched(touched, changed, only_finished)
+        self._finish_touched(touched, ended, changed, only_finished)
+
+    def _fork_samples(self, req: SamplingRequest, seq: Seq) -> list[Seq]:
+        """A request's first token: fork its prompt into best_of samples (seq is sample 0)."""
+        children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(req.params.best_of - 1)]
+        for j, child in enumerate(children, start=1):
+            req.samples.append(child)
+            self._owner[child.seq_id] = (req, j)
+            self.features.on_fork(req.features, seq, child)
+        req.forked = True
+        return req.samples[:req.params.best_of]
 
     def _apply_multi(self, step: _StepInFlight, sample: HostSample,
                      changed: dict[str, RequestOutput], only_finished: bool) -> None:
@@ -457,25 +488,34 @@ class LLMEngine:
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         seqs = [c.seq for c in step.sched.chunks]
-        touched: dict[str, EngineRequest] = {}
+        owner = self._owner
+        live = [(i, seq, owner[seq.seq_id][0]) for i, seq in enumerate(seqs)
+                if seq.seq_id in owner and not seq.status.is_finished()]
+        touched: dict[str, EngineRequest] = {req.request_id: req for _, _, req in live}
+        ended: set[str] = set()
+        record = self.output_processor.record_token
         for j in range(step.num_steps):
             if j > 0:
                 self.scheduler.on_extra_decode_step(seqs)
-            for i, seq in enumerate(seqs):
-                if seq.status.is_finished() or seq.seq_id not in self._owner:
-                    continue   # stopped at an earlier step: its later tokens are discarded
-                req, _ = self._owner[seq.seq_id]
-                self.output_processor.record_token(req, seq, tokens[j][i], logprobs[j][i], (), ())
-                touched[req.request_id] = req
-        self._finish_touched(touched, changed, only_finished)
+            step_tokens, step_logprobs = tokens[j], logprobs[j]
+            stopped = False
+            for i, seq, req in live:
+                if record(req, seq, step_tokens[i], step_logprobs[i], (), ()):
+                    ended.add(req.request_id)
+                    stopped = True
+            if stopped:   # a sequence that stopped has its later tokens discarded
+                live = [entry for entry in live if not entry[1].status.is_finished()]
+        self._finish_touched(touched, ended, changed, only_finished)
 
-    def _finish_touched(self, touched: dict[str, EngineRequest], changed: dict[str, RequestOutput],
-                        only_finished: bool) -> None:
+    def _finish_touched(self, touched: dict[str, EngineRequest], ended: set[str],
+                        changed: dict[str, RequestOutput], only_finished: bool) -> None:
+        """Outputs and retirement of the requests a step gave tokens; only those in `ended`
+        (a sequence of theirs finished) can have finished."""
         now = time.monotonic()
         for rid, req in touched.items():
             if req.timing is not None and req.timing.first_token_time is None:
                 req.timing.first_token_time = now
-            finished = req.finished
+            finished = rid in ended and req.finished
             if finished and req.timing is not None:
                 req.timing.finished_time = now
             if finished or not only_finished:
@@ -497,5 +537,6 @@ class LLMEngine:
 
     def _retire(self, req: EngineRequest) -> None:
         self.requests.pop(req.request_id, None)
+        self._host_sync.pop(req.request_id, None)
         for s in req.samples:
             self._owner.pop(s.seq_id, None)

@@ -31,15 +31,17 @@ class OutputProcessor:
     # ---- one token ----------------------------------------------------------------------
     def record_token(self, req: SamplingRequest, seq: Sequence, token: int, logprob: float,
                      top_ids: np.ndarray | tuple, top_lps: np.ndarray | tuple,
-                     hidden: np.ndarray | None = None) -> None:
+                     hidden: np.ndarray | None = None) -> bool:
         """A sampled token became known on the host: store it, its logprobs, and stop.
+        Returns whether the sequence is finished now (its request may be).
 
         The token is either new (appended) or the sequence's pending placeholder (resolved).
         A sequence already finished by length (decided when its last placeholder was
         appended) gets its final status from the stop check here.
         """
         p = req.params
-        if seq.num_pending_tokens:
+        resolving = seq.num_pending_tokens > 0
+        if resolving:
             seq.resolve_placeholder(token, logprob)
         else:
             seq.append_token(token, logprob)
@@ -50,7 +52,10 @@ class OutputProcessor:
             entry = {token: logprob}
             entry.update({int(t): float(lp) for t, lp in zip(top_ids[:p.logprobs], top_lps[:p.logprobs])})
             req.logprobs.setdefault(seq.seq_id, []).append(entry)
-        status, reason = self.check_stop(req, seq, token)
+        # A placeholder's length limit was decided when it was appended (the sequence was
+        # finished early by length, or not), and resolving it keeps the length.
+        status, reason = self.check_stop(req, seq, token,
+                                         seq.status.is_finished() if resolving else None)
         if status is not None:
             seq.finish_reason = "stop" if status == SequenceStatus.FINISHED_STOPPED else "length"
             seq.stop_reason = reason
@@ -58,20 +63,25 @@ class OutputProcessor:
                 seq.status = status          # finished early by length; its last token decides
             else:
                 self.scheduler.finish(seq, status)
+            return True
+        return False
 
     def reaches_length_limit(self, req: SamplingRequest, seq: Sequence) -> bool:
         """Whether the sequence ends by length once its newest (possibly pending) token
         exists: max_tokens (never below min_tokens, SamplingParams checks) or max_model_len."""
-        p = req.params
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        num_tokens = len(seq.token_ids)
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens:
             return True
-        return seq.num_tokens >= self.max_model_len
+        return num_tokens >= self.max_model_len
 
-    def check_stop(self, req: SamplingRequest, seq: Sequence,
-                   token: int) -> tuple[SequenceStatus | None, Any]:
-        """vLLM's order: EOS, stop token ids, stop strings (after min_tokens), then length."""
+    def check_stop(self, req: SamplingRequest, seq: Sequence, token: int,
+                   reaches_length: bool | None = None) -> tuple[SequenceStatus | None, Any]:
+        """vLLM's order: EOS, stop token ids, stop strings (after min_tokens), then length.
+
+        `reaches_length`, when known already, stands in for `reaches_length_limit`."""
         p = req.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, None
@@ -84,7 +94,9 @@ class OutputProcessor:
                     if at >= 0:
                         req.texts[seq.seq_id] = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                         return SequenceStatus.FINISHED_STOPPED, s
-        if self.reaches_length_limit(req, seq):
+        if reaches_length is None:
+            reaches_length = self.reaches_length_limit(req, seq)
+        if reaches_length:
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None
 

@@ -336,9 +336,10 @@ class Scheduler:
         num_decodes = 0
         seats = 0
         for s in seqs:
-            if len(s.token_ids) - s.num_computed_tokens == 1:
+            num_tokens = len(s.token_ids)
+            if num_tokens - s.num_computed_tokens == 1:
                 num_decodes += 1
-            seats += s.fanout if len(s.token_ids) == s.num_prompt_tokens else 1
+            seats += s.fanout if num_tokens == s.num_prompt_tokens else 1
         # Decodes come first: reserve their tokens, prefill chunks get the rest.
         decode_left = min(num_decodes, budget)
         prefill_left = budget - decode_left

@@ -36,7 +36,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"    # aborted by the user (or dropped beam)
 
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # A tuple compares members by identity; a dict lookup would call Enum's Python-level
+        # __hash__, and this runs several times per sequence per step.
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
@@ -49,6 +51,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
+_FINISHED = tuple(_FINISH_REASONS)
 
 
 def infer_fanout(params: Any) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import operator
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,11 +25,16 @@ from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
 from paxkv.runner.buckets import pick_bucket
+from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, sample
 from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_BLOCK_TABLE = operator.attrgetter("block_table")
+_START = operator.attrgetter("start")
+_FIRST = operator.itemgetter(0)
 
 
 def _unpack_inputs(buf: jax.Array, spec: transfer.Spec) -> tuple[StepBatch, SamplingTensors, jax.Array]:
@@ -294,20 +301,32 @@ class Runner:
         self.kv_pool = _scatter_blocks(self.kv_pool, self._ids(dev_p), blocks)
 
     # ---- the step -----------------------------------------------------------------------
+    _table_rows: dict[tuple[int, int], TableRows] | None = None   # per table shape, made on use
+
+    def _table_rows_of(self, num_seqs: int, width: int) -> TableRows:
+        """The last packed block tables of this shape (most rows are unchanged next step)."""
+        if self._table_rows is None:
+            self._table_rows = {}
+        rows = self._table_rows.get((num_seqs, width))
+        if rows is None:
+            rows = self._table_rows[num_seqs, width] = TableRows(num_seqs, width)
+        return rows
+
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
         """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
         bs = self.block_size
         n = len(items)
-        q_lens = np.fromiter((len(it.token_ids) for it in items), np.int32, n)
+        # map + attrgetter walk the items in C: generators cost a Python frame per item.
+        token_lists = list(map(_TOKEN_IDS, items))
+        block_tables = list(map(_BLOCK_TABLE, items))
+        q_lens = np.fromiter(map(len, token_lists), np.int32, n)
         decode_only = n > 0 and bool(np.all(q_lens == 1))
         num_seqs = pick_bucket(n, self.seq_buckets)
         if self.fixed_shapes and not decode_only:
             num_seqs = self.seq_buckets[-1]
-        width = pick_bucket(max(len(it.block_table) for it in items), self.block_buckets)
-        tables = np.zeros((num_seqs, width), np.int32)
-        for i, it in enumerate(items):
-            tables[i, :len(it.block_table)] = it.block_table
-        starts = np.fromiter((it.start for it in items), np.int32, n)
+        width = pick_bucket(max(map(len, block_tables)), self.block_buckets)
+        tables = self._table_rows_of(num_seqs, width).fill(block_tables)
+        starts = np.fromiter(map(_START, items), np.int32, n)
         cu = np.zeros(num_seqs + 1, np.int32)
         np.cumsum(q_lens, out=cu[1:n + 1])
         cu[n + 1:] = cu[n]
@@ -316,7 +335,7 @@ class Runner:
         if decode_only:   # the hot path: one token per sequence, no per-token Python
             num_tokens = num_seqs
             tokens = np.zeros(num_tokens, np.int32)
-            tokens[:n] = np.fromiter((it.token_ids[0] for it in items), np.int32, n)
+            tokens[:n] = np.fromiter(map(_FIRST, token_lists), np.int32, n)
             positions = np.zeros(num_tokens, np.int32)
             positions[:n] = starts
             slots = np.arange(num_tokens, dtype=np.int32) % bs

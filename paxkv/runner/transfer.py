@@ -9,6 +9,7 @@ cut apart again on the other side with static offsets, so nothing is recompiled.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -18,15 +19,18 @@ import numpy as np
 # (shape, dtype name) of every array in a packed buffer, in order: a static jit argument.
 Spec = tuple[tuple[tuple[int, ...], str], ...]
 
-_KINDS = ("int32", "float32")
+# The packable dtypes by name; a dict lookup, because `str(dtype)` of ~27 arrays took a tenth
+# of a millisecond of every step.
+_NAMES = {np.dtype(np.int32): "int32", np.dtype(np.float32): "float32"}
 
 
 def spec_of(arrays: Sequence[np.ndarray | jax.Array]) -> Spec:
     """The static description of `arrays` (each int32 or float32)."""
-    spec = tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
-    for i, (_, dtype) in enumerate(spec):
-        if dtype not in _KINDS:
-            raise ValueError(f"array {i} has dtype {dtype}; only int32 and float32 are packed")
+    names = _NAMES
+    spec = tuple((a.shape, names.get(a.dtype)) for a in arrays)
+    for i, (_, name) in enumerate(spec):
+        if name is None:
+            raise ValueError(f"array {i} has dtype {arrays[i].dtype}; only int32 and float32 are packed")
     return spec
 
 
@@ -62,7 +66,7 @@ def unpack_host(buf: np.ndarray, spec: Spec) -> list[np.ndarray]:
     """A fetched buffer -> numpy views of the arrays of `spec` (no copies)."""
     out, start = [], 0
     for shape, dtype in spec:
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)     # not np.prod: a few microseconds per array, every step
         out.append(buf[start:start + size].view(np.dtype(dtype)).reshape(shape))
         start += size
     return out
