@@ -7,6 +7,8 @@ kernel tests assert the compiled kernels against their jnp references:
     PAXKV_TEST_DEVICE=gpu python3 -m pytest tests -k kernel
 """
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -18,6 +20,12 @@ if TEST_DEVICE == "cpu":
 else:
     os.environ.setdefault("JAX_PLATFORMS", "cuda")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's compiled programs go to a directory of its own, shared with the servers it
+# starts (they inherit the environment), never to the user's persistent cache.
+_SUITE_CACHE = None
+if "PAXKV_COMPILATION_CACHE_DIR" not in os.environ:
+    _SUITE_CACHE = tempfile.mkdtemp(prefix="paxkv-tests-xla-")
+    os.environ["PAXKV_COMPILATION_CACHE_DIR"] = _SUITE_CACHE
 
 # Eight host-platform devices, for the tensor-parallel tests to run in this process (one set
 # of compiled programs, no second interpreter). Everything else uses the default device, as
@@ -57,3 +65,8 @@ def tiny_llm():
 def tiny_hf():
     from engine_helpers import shared_tiny_hf
     return shared_tiny_hf()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _SUITE_CACHE is not None:
+        shutil.rmtree(_SUITE_CACHE, ignore_errors=True)

@@ -5,6 +5,8 @@ The directory is, in order: the `compilation_cache_dir` argument of `LLM`, the e
 variable `PAXKV_COMPILATION_CACHE_DIR`, or `$XDG_CACHE_HOME/paxkv/xla` (`~/.cache/paxkv/xla`).
 The value "off" (argument or variable) switches it off. JAX by default skips programs that
 compile in under a second; paxkv caches those too, so small models restart fast as well.
+The cache is bounded (`MAX_CACHE_BYTES`), which also makes concurrent processes take JAX's
+file lock around each entry.
 """
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ logger = logging.getLogger("paxkv")
 
 OFF = "off"
 ENV_VAR = "PAXKV_COMPILATION_CACHE_DIR"
+# JAX writes an entry in place and reads it back without a lock unless the cache is bounded,
+# and a process that reads an entry another is still writing aborts inside XLA (several
+# engines, a server and its benchmark, or parallel test runs share one directory). A bound
+# turns JAX's file lock on, and keeps the directory from growing without end (least recently
+# used entries go first).
+MAX_CACHE_BYTES = 8 * 2**30
 
 
 def default_cache_dir() -> str:
@@ -51,6 +59,7 @@ def enable_compilation_cache(requested: str | None = "auto") -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
     # A process that compiled before the cache was configured has already decided not to
     # use one; let it look again.
     compilation_cache.reset_cache()
