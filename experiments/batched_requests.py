@@ -37,11 +37,10 @@ def trace_at(load: configs.TraceLoad, s: configs.BatchedRequestsSettings, rate: 
 
 
 def loads(s: configs.BatchedRequestsSettings) -> dict[str, load_sweep.Load]:
-    cap = load_sweep.static_capacity(s.engine)
-    return {ld.trace: load_sweep.Load(
-        rates=ld.rates, trace=lambda rate, ld=ld: trace_at(ld, s, rate), work=serving.trace_work,
-        warmup=lambda p: s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * cap))
-        for ld in s.loads}
+    warmup = load_sweep.warmup_requests(s)
+    return {ld.trace: load_sweep.Load(rates=ld.rates, trace=lambda rate, ld=ld: trace_at(ld, s, rate),
+                                      work=serving.trace_work, warmup=warmup)
+            for ld in s.loads}
 
 
 def bars(rows: list[dict[str, Any]], s: configs.BatchedRequestsSettings) -> dict[str, dict[str, float]]:
@@ -117,9 +116,8 @@ def write(s: configs.BatchedRequestsSettings, rows: list[dict[str, Any]], skippe
                             extras=[_draw_bars(b, s)])
     serving.write_serving_results(
         NAME, s, title="Single-sequence serving: batched requests and latency against rate (paper Fig. 13)",
-        results={"runs": rows, "analysis": an, "batched_requests": b, "skipped": skipped,
-                 "complete": final and not skipped, "in_progress": not final, "warm_up": warm,
-                 "paper": paper},
+        results={"runs": rows, "analysis": an, "batched_requests": b,
+                 **serving.completion_fields(skipped, final), "warm_up": warm, "paper": paper},
         table=table, notes=notes, figure=fig, quiet=not final)
 
 

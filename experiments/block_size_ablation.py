@@ -42,8 +42,7 @@ def sweep(s: configs.BlockSizeSettings, log: serving.SweepLog | None = None,
     the budget lasts; returns all of `log`'s points and the skipped block sizes."""
     log = log or serving.SweepLog(point_key)
     budget = serving.Budget(s.time_budget_s)
-    traces = {t: serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len, s.max_output_len)
-              for t, n in s.traces}
+    traces = {t: serving.settings_trace(s, t, n) for t, n in s.traces}
     todo = [bs for bs in s.block_sizes if not all(log.done(t, bs) for t, _ in s.traces)]
     for bs in budget.points(tqdm(todo, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         llm = serving.make_llm(s.engine, block_size=bs)
@@ -134,13 +133,11 @@ def _tables(rows: list[dict[str, Any]], s: configs.BlockSizeSettings, skipped: l
 
 def write(s: configs.BlockSizeSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
-    traces = {t: workloads.summarize(serving.clip_trace(workloads.make_trace(t, n, s.seed), s.max_prompt_len,
-                                                        s.max_output_len)) for t, n in s.traces}
+    traces = {t: workloads.summarize(serving.settings_trace(s, t, n)) for t, n in s.traces}
     serving.write_serving_results(
         NAME, s,
         title="Block size: throughput and latency at a fixed KV pool (paper Fig. 18b)",
-        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
-                 "traces": traces,
+        results={"runs": rows, **serving.completion_fields(skipped, final), "traces": traces,
                  "best": {t: dict(zip(("highest", "near_best"), best_sizes(rows, t)))
                           for t, _ in s.traces if any(r["trace"] == t for r in rows)},
                  "paper": {"block_size_best": common.PAPER["block_size_best"]}},

@@ -38,10 +38,8 @@ def trace_at(s: configs.ChatbotSettings, rate: float) -> list[workloads.Request]
 
 
 def loads(s: configs.ChatbotSettings) -> dict[str, load_sweep.Load]:
-    cap = load_sweep.static_capacity(s.engine)
-    return {"": load_sweep.Load(
-        rates=s.rates, trace=lambda rate: trace_at(s, rate), work=serving.trace_work,
-        warmup=lambda p: s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * cap))}
+    return {"": load_sweep.Load(rates=s.rates, trace=lambda rate: trace_at(s, rate), work=serving.trace_work,
+                                warmup=load_sweep.warmup_requests(s))}
 
 
 def write(s: configs.ChatbotSettings, rows: list[dict[str, Any]], skipped: list[str], warm: dict,
@@ -71,8 +69,8 @@ def write(s: configs.ChatbotSettings, rows: list[dict[str, Any]], skipped: list[
                             paper={"chatbot": f"paper: {gain:g}x the Orca baselines' sustained rate"})
     serving.write_serving_results(
         NAME, s, title="Chatbot: conversation history as the prompt, latency against rate (paper Fig. 17)",
-        results={"runs": rows, "analysis": an, "trace_at_highest_rate": summary, "skipped": skipped,
-                 "complete": final and not skipped, "in_progress": not final, "warm_up": warm,
+        results={"runs": rows, "analysis": an, "trace_at_highest_rate": summary,
+                 **serving.completion_fields(skipped, final), "warm_up": warm,
                  "paper": {"chatbot_gain_vs_orca": gain}},
         table=table, notes=notes, figure=fig, quiet=not final)
 

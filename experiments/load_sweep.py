@@ -31,6 +31,13 @@ def static_capacity(g: configs.EngineGeometry) -> int:
     return min(g.max_num_seqs, g.pool_tokens // g.max_model_len)
 
 
+def warmup_requests(s: Any) -> Callable[[str], int]:
+    """`Load.warmup` from the settings: `s.warmup_requests` for every policy but the static one,
+    which warms up on two batches at most (a static batch lasts as long as its longest request)."""
+    cap = static_capacity(s.engine)
+    return lambda policy: s.warmup_requests if policy != "static" else min(s.warmup_requests, 2 * cap)
+
+
 def num_requests(rate: float, window_s: float, min_requests: int) -> int:
     """Requests of a point: `window_s` seconds of arrivals, at least `min_requests`."""
     return max(min_requests, int(round(rate * window_s)))

@@ -62,8 +62,7 @@ def sweep(s: configs.PreemptionSettings, log: serving.SweepLog | None = None,
     the budget lasts; returns all of `log`'s points and the skipped block sizes."""
     log = log or serving.SweepLog(point_key)
     budget = serving.Budget(s.time_budget_s)
-    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
-                               s.max_output_len)
+    trace = serving.settings_trace(s, s.trace, s.num_requests)
     todo = [bs for bs in s.block_sizes if not all(log.done(bs, m) for m in s.modes)]
     for bs in budget.points(tqdm(todo, desc=NAME, disable=not progress), lambda bs: f"block {bs}"):
         for mode in s.modes:
@@ -150,13 +149,11 @@ def _tables(rows: list[dict[str, Any]], s: configs.PreemptionSettings, skipped: 
 
 def write(s: configs.PreemptionSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
-    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
-                               s.max_output_len)
+    trace = serving.settings_trace(s, s.trace, s.num_requests)
     serving.write_serving_results(
         NAME, s,
         title="Preemption: recomputation against swapping (paper Fig. 19)",
-        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
-                 "trace": workloads.summarize(trace),
+        results={"runs": rows, **serving.completion_fields(skipped, final), "trace": workloads.summarize(trace),
                  "recompute_over_swap": {bs: rc["wall_s"] / sw["wall_s"] for bs, rc, sw in pairs(rows)},
                  "paper": {"recompute_max_overhead_vs_swap": common.PAPER["recompute_max_overhead_vs_swap"]}},
         table=table, notes=notes, figure=_fig(rows, s), quiet=not final)

@@ -43,8 +43,7 @@ def groups(s: configs.SamplingVsRateSettings) -> list[tuple[str, int]]:
 
 def trace_at(s: configs.SamplingVsRateSettings, rate: float) -> list[workloads.Request]:
     n = load_sweep.num_requests(rate, s.window_s, s.min_requests)
-    return serving.clip_trace(workloads.make_trace(s.trace, n, s.seed, rate=rate), s.max_prompt_len,
-                              s.max_output_len)
+    return serving.settings_trace(s, s.trace, n, rate=rate)
 
 
 def work_for(kind: str, width: int, s: configs.SamplingVsRateSettings):
@@ -107,8 +106,8 @@ def write(s: configs.SamplingVsRateSettings, rows: list[dict[str, Any]], skipped
                             suptitle="Parallel sampling and beam search against request rate (paper Fig. 14)")
     serving.write_serving_results(
         NAME, s, title="Parallel sampling and beam search against request rate (paper Fig. 14)",
-        results={"runs": rows, "analysis": an, "skipped": skipped, "complete": final and not skipped,
-                 "in_progress": not final, "warm_up": warm, "paper": paper},
+        results={"runs": rows, "analysis": an, **serving.completion_fields(skipped, final),
+                 "warm_up": warm, "paper": paper},
         table=table, notes=notes, figure=fig, quiet=not final)
 
 

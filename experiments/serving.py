@@ -29,6 +29,7 @@ from absl import flags
 
 from configs import experiments as configs
 from experiments import common
+from paxkv.sim import workloads
 from paxkv.sim.workloads import Request
 
 T = TypeVar("T")
@@ -64,6 +65,13 @@ def clip_trace(trace: Sequence[Request], max_prompt_len: int, max_output_len: in
     """The trace with prompt and output lengths capped (so it fits a smaller max_model_len)."""
     return [Request(min(r.prompt_len, max_prompt_len), min(r.output_len, max_output_len), r.arrival_time)
             for r in trace]
+
+
+def settings_trace(s: Any, name: str, num: int, **make_kwargs: Any) -> list[Request]:
+    """Trace `name` of `num` requests from the settings' seed, clipped to their max prompt and
+    output lengths (`make_kwargs`, e.g. `rate`, go to `workloads.make_trace`)."""
+    return clip_trace(workloads.make_trace(name, num, s.seed, **make_kwargs), s.max_prompt_len,
+                      s.max_output_len)
 
 
 def random_prompts(lengths: Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
@@ -535,6 +543,12 @@ def engine_note(g: "configs.EngineGeometry", pool: str) -> str:
     return (f"Engine: {g.model} ({g.dtype}), KV pool of {g.pool_tokens} token slots {pool}, at most "
             f"{g.max_num_seqs} sequences and {g.max_num_batched_tokens} tokens per step, max_model_len "
             f"{g.max_model_len}")
+
+
+def completion_fields(skipped: Sequence[str], final: bool) -> dict[str, Any]:
+    """The results' `skipped`, `complete` and `in_progress` fields: a sweep is complete only
+    at its final write and only when the time budget skipped nothing."""
+    return {"skipped": skipped, "complete": final and not skipped, "in_progress": not final}
 
 
 def skipped_note(skipped: Sequence[str]) -> str:

@@ -64,8 +64,7 @@ def work_for(tokens: int, s: configs.SharedPrefixSettings):
 
 
 def loads(s: configs.SharedPrefixSettings) -> dict[str, load_sweep.Load]:
-    cap = load_sweep.static_capacity(s.engine)
-    warm = lambda p: s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * cap)  # noqa: E731
+    warm = load_sweep.warmup_requests(s)
     return {group_name(shots, tokens): load_sweep.Load(rates=s.rates, trace=lambda rate: trace_at(s, rate),
                                                        work=work_for(tokens, s), warmup=warm)
             for shots, tokens in s.prefixes}
@@ -123,7 +122,7 @@ def write(s: configs.SharedPrefixSettings, rows: list[dict[str, Any]], skipped: 
     serving.write_serving_results(
         NAME, s, title="Shared prefix: prefix caching on and off against request rate (paper Fig. 16)",
         results={"runs": rows, "analysis_vs_static": vs_static, "analysis_vs_no_caching": vs_uncached,
-                 "skipped": skipped, "complete": final and not skipped, "in_progress": not final, "warm_up": warm,
+                 **serving.completion_fields(skipped, final), "warm_up": warm,
                  "paper": paper},
         table=table, notes=notes, figure=fig, quiet=not final)
 

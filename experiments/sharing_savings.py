@@ -81,8 +81,7 @@ def sweep(s: configs.SharingSettings, log: serving.SweepLog | None = None,
     order = [c for c in order if not log.done(*c)]
     if not order or not budget.allows(0.0, "everything (no time left)"):
         return log.rows, budget.skipped
-    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
-                               s.max_output_len)
+    trace = serving.settings_trace(s, s.trace, s.num_requests)
     llm = serving.make_llm(s.engine)
     vocab = llm.config.model.vocab_size
     for kind, width in budget.points(tqdm(order, desc=NAME, disable=not progress), lambda c: f"{c[0]} {c[1]}"):
@@ -176,13 +175,12 @@ def _tables(rows: list[dict[str, Any]], s: configs.SharingSettings, skipped: lis
 
 def write(s: configs.SharingSettings, rows: list[dict[str, Any]], skipped: list[str], final: bool = True) -> None:
     table, notes = _tables(rows, s, skipped)
-    trace = serving.clip_trace(workloads.make_trace(s.trace, s.num_requests, s.seed), s.max_prompt_len,
-                               s.max_output_len)
+    trace = serving.settings_trace(s, s.trace, s.num_requests)
     serving.write_serving_results(
         NAME, s,
         title="Sharing KV blocks: parallel sampling and beam search (paper Fig. 15)",
-        results={"runs": rows, "skipped": skipped, "complete": final and not skipped, "in_progress": not final,
-                 "trace": workloads.summarize(trace), "paper": common.PAPER["sharing_savings"]},
+        results={"runs": rows, **serving.completion_fields(skipped, final), "trace": workloads.summarize(trace),
+                 "paper": common.PAPER["sharing_savings"]},
         table=table, notes=notes, figure=_fig(rows), quiet=not final)
 
 

@@ -51,10 +51,8 @@ def sweep(s: configs.ThroughputVsRateSettings, log: serving.SweepLog | None = No
     budget = serving.Budget(s.time_budget_s)
     if not budget.allows(0.0, "everything (no time left)"):
         return log.rows, budget.skipped, {}
-    cap = static_capacity(s.engine)
-    # A static batch lasts as long as its longest request: warm it up on two batches only.
     load = load_sweep.Load(rates=s.rates, trace=lambda rate: rate_trace(s, rate), work=serving.trace_work,
-                           warmup=lambda p: s.warmup_requests if p != "static" else min(s.warmup_requests, 2 * cap))
+                           warmup=load_sweep.warmup_requests(s))
     warm = load_sweep.sweep(name=NAME, loads={"": load}, policies=s.policies,
                             make_llm=lambda p: serving.make_llm(s.engine, scheduler=p), drain_s=s.drain_s,
                             seed=s.seed, budget=budget, log=log, progress=progress)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from typing import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -80,6 +81,23 @@ def dense_reference(qd, kc, vc):
     return o.reshape(seqs, lq, hq, d)
 
 
+def measure_tuning(entries: list[dict], tuning: dict, run: Callable[[], tuple[float, float]],
+                   rate: Callable[[float], str]) -> float | None:
+    """Time one paxkv tuning (`run` returns seconds and relative error), log it with its `rate`
+    and append its entry to `entries` (the error message when it failed). Returns its seconds
+    when its output is right (relative error below 2e-2), else None."""
+    try:
+        t, err = run()
+    except Exception as e:
+        log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
+        entries.append({**tuning, "error": repr(e)[:300]})
+        return None
+    ok = err < 2e-2
+    log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {rate(t)}  err {err:.1e}{'' if ok else '  WRONG'}")
+    entries.append({**tuning, "us": t * 1e6, "err": err})
+    return t if ok else None
+
+
 def decode_section(args, clock, results):
     shapes = decode_shapes(args.smoke)
     interpret = args.smoke
@@ -112,17 +130,9 @@ def decode_section(args, clock, results):
             if clock.left() < 60:
                 log("  (time budget: skipping remaining paxkv tunings)")
                 break
-            try:
-                t, err = run_paxkv(tables, tuning)
-            except Exception as e:
-                log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
-                row["paxkv"].append({**tuning, "error": repr(e)[:300]})
-                continue
-            ok = err < 2e-2
-            log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {kv_bytes / t / 1e12:5.2f} TB/s  "
-                f"err {err:.1e}{'' if ok else '  WRONG'}")
-            row["paxkv"].append({**tuning, "us": t * 1e6, "err": err})
-            if ok and (best is None or t < best[0]):
+            t = measure_tuning(row["paxkv"], tuning, lambda: run_paxkv(tables, tuning),
+                               lambda t: f"{kv_bytes / t / 1e12:5.2f} TB/s")
+            if t is not None and (best is None or t < best[0]):
                 best = (t, tuning)
         if best is not None:                     # refine launch parameters on the best
             for w, st in (() if args.quick else ((8, 2), (4, 3), (8, 3))):
@@ -233,24 +243,20 @@ def prefill_section(args, clock, results):
                        ((32, 4, 4, 2), (32, 4, 8, 2), (16, 4, 4, 2), (32, 8, 8, 2),
                         (32, 4, 8, 3), (16, 8, 4, 2), (64, 4, 8, 2), (32, 8, 4, 3),
                         (16, 4, 4, 3), (32, 4, 4, 3), (32, 2, 4, 2), (64, 2, 8, 2)))]
+
+        def run_ragged(tuning):
+            fn = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, **tuning))
+            t, err, _ = check_and_time(fn, (q, k, v, tables, lens, cu), ref, args.smoke)
+            return t, err
+
         best = None
         for tuning in tunings:
             if clock.left() < 25:
                 log("  (time budget: skipping remaining prefill tunings)")
                 break
-            try:
-                fn = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret,
-                                               **tuning))
-                t, err, _ = check_and_time(fn, (q, k, v, tables, lens, cu), ref, args.smoke)
-            except Exception as e:
-                log(f"  paxkv {tuning} FAILED: {repr(e)[:300]}")
-                row["paxkv"].append({**tuning, "error": repr(e)[:300]})
-                continue
-            ok = err < 2e-2
-            log(f"  paxkv {tuning}: {t * 1e6:8.1f} us  {flops / t / 1e12:6.1f} TFLOP/s  "
-                f"err {err:.1e}{'' if ok else '  WRONG'}")
-            row["paxkv"].append({**tuning, "us": t * 1e6, "err": err})
-            if ok and (best is None or t < best[0]):
+            t = measure_tuning(row["paxkv"], tuning, lambda: run_ragged(tuning),
+                               lambda t: f"{flops / t / 1e12:6.1f} TFLOP/s")
+            if t is not None and (best is None or t < best[0]):
                 best = (t, tuning)
         if best is not None:
             row["best"] = {**best[1], "us": best[0] * 1e6}

@@ -183,13 +183,17 @@ def main(argv):
 
     today = today_step_fn()
 
-    def run_today():
+    def dispatch_today():
+        """One step of today's program, dispatched and not waited for."""
         b, decode_only = runner.pack(items)
         st, _, _ = runner.pack_sampling(plain)
         inputs, spec = _pack_inputs(b, st)
         out, runner.kv_pool = today(runner.params, runner.kv_pool, inputs, spec=spec, cfg=cfg,
                                     backend=runner.backend, decode_only=decode_only)
-        np.asarray(out)
+        return out
+
+    def run_today():
+        np.asarray(dispatch_today())
 
     history = [rng.integers(3, cfg.vocab_size, ctx - 1).astype(np.int32) for _ in range(batch)]
     penalized = [r._replace(features=RowFeatures(penalties=(0.4, 0.3, 1.15), history=h,
@@ -203,14 +207,6 @@ def main(argv):
     except ImportError as e:
         results["structured_skipped"] = f"llguidance is not installed ({e})"
     results["cases"] = summarize(interleaved(cases, steps, warmup, rounds))
-
-    def dispatch_today():
-        b, decode_only = runner.pack(items)
-        st, _, _ = runner.pack_sampling(plain)
-        inputs, spec = _pack_inputs(b, st)
-        out, runner.kv_pool = today(runner.params, runner.kv_pool, inputs, spec=spec, cfg=cfg,
-                                    backend=runner.backend, decode_only=decode_only)
-        return out
 
     results["pipelined"] = pipelined_rounds({
         "today": (dispatch_today, np.asarray),

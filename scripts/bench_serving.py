@@ -79,21 +79,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---- the trace -------------------------------------------------------------------------------
 def make_trace(num: int, rate: float, seed: int, vocab: int) -> list[tuple[float, list[int], int]]:
     """(arrival s, prompt ids, output tokens) per request: paxkv.sim.workloads lengths, random ids."""
-    import numpy as np
-
     from paxkv.sim import workloads
     if FLAGS.workload == "fixed":
         trace = workloads.fixed(num, FLAGS.input_len, FLAGS.output_len, seed=seed, rate=rate)
     else:
         trace = workloads.make_trace(FLAGS.workload, num, seed=seed, rate=rate)
-    rng = np.random.default_rng(seed + 1)
-    cap = FLAGS.max_model_len - 1
-    out = []
-    for r in trace:
-        p = min(r.prompt_len, cap - 1)
-        o = max(1, min(r.output_len, cap - p))
-        out.append((r.arrival_time, rng.integers(10, vocab - 10, size=p).tolist(), o))
-    return out
+    requests = workloads.random_token_requests(trace, vocab, FLAGS.max_model_len, seed + 1)
+    return [(r.arrival_time, ids, output_len) for r, (ids, output_len) in zip(trace, requests)]
 
 
 def engine_kwargs() -> dict:

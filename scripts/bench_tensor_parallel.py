@@ -118,6 +118,12 @@ def _load(path: str) -> dict | None:
         return None
 
 
+def _table_section(title: str, header: list[str], rows: list[list]) -> list[str]:
+    """The report lines of one part: its heading, a markdown table of `rows`, a blank line."""
+    return [f"## {title}", "", "| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
 def summarize(out_dir: str, runs: dict) -> str:
     """Every part's figures in one table per part (markdown), from the parts' json files."""
     lines = ["# Tensor parallelism on several H200s", "",
@@ -135,11 +141,9 @@ def summarize(out_dir: str, runs: dict) -> str:
                      f"{fixed.get('requests_per_s', float('nan')):.2f}",
                      f"{(r.get('num_kv_blocks') or 0) * 16:,}", f"{bw}", run["rc"]])
     if rows:
-        lines += ["## One stream 128/512 and 1000 x 256/256", "",
-                  "| run | device | JAX | one stream tok/s | roofline tok/s (N devices) | requests/s | KV pool tokens | copy TB/s | rc |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-        lines.append("")
+        lines += _table_section("One stream 128/512 and 1000 x 256/256",
+                                ["run", "device", "JAX", "one stream tok/s", "roofline tok/s (N devices)",
+                                 "requests/s", "KV pool tokens", "copy TB/s", "rc"], rows)
     prof = []
     for key, run in runs.items():
         if key.startswith("profile-"):
@@ -149,11 +153,9 @@ def summarize(out_dir: str, runs: dict) -> str:
                 prof.append([key, step.get("batch"), f"{step.get('back_to_back_step_ms', float('nan')):.2f}"]
                             + [f"{kinds.get(k, 0.0):.2f}" for k in ("matmul", "attention", "all-reduce", "other")])
     if prof:
-        lines += ["## Decode step at batch 256 (context 512), kernel time per device", "",
-                  "| run | batch | step ms (back to back) | matmul ms | attention ms | all-reduce ms | other ms |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in prof]
-        lines.append("")
+        lines += _table_section("Decode step at batch 256 (context 512), kernel time per device",
+                                ["run", "batch", "step ms (back to back)", "matmul ms", "attention ms",
+                                 "all-reduce ms", "other ms"], prof)
     if "long" in runs:
         r = _load(os.path.join(runs["long"]["out"], "long_context.json")) or {}
         lines += ["## One long context", "", "```", json.dumps(r, indent=1), "```", ""]

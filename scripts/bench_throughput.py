@@ -76,21 +76,13 @@ def copy_bandwidth() -> dict[str, float]:
 
 
 def make_requests(name: str, vocab: int, num: int, seed: int) -> list[tuple[list[int], int]]:
-    import numpy as np
-
+    """(prompt ids, output tokens) per request: paxkv.sim.workloads lengths, random ids."""
     from paxkv.sim import workloads
     if name == "fixed":
         trace = workloads.fixed(num, FLAGS.input_len, FLAGS.output_len, seed=seed)
     else:
         trace = workloads.make_trace(name, num, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    cap = FLAGS.max_model_len - 1
-    out = []
-    for r in trace:
-        p = min(r.prompt_len, cap - 1)
-        o = max(1, min(r.output_len, cap - p))
-        out.append((rng.integers(10, vocab - 10, size=p).tolist(), o))
-    return out
+    return workloads.random_token_requests(trace, vocab, FLAGS.max_model_len, seed + 1)
 
 
 def run_engine(engine, requests, label: str) -> dict:

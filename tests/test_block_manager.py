@@ -16,6 +16,14 @@ from engine_helpers import make_block_manager
 BS = 4
 
 
+def manager_and_model(num_blocks: int, num_host_blocks: int = 0,
+                      **kw) -> tuple[BlockManager, KVContentModel]:
+    """A block manager over `num_blocks` blocks of BS tokens (and `num_host_blocks` of host
+    swap space) with the content model of the same pools, which checks what it reads."""
+    bm = make_block_manager(num_blocks, BS, num_host_blocks, **kw)
+    return bm, KVContentModel(num_blocks, BS, num_host_blocks)
+
+
 def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
     return Sequence(seq_id, f"r{seq_id}", tokens, None, float(seq_id))
 
@@ -112,8 +120,7 @@ def test_allocate_on_demand_and_watermark():
 
 @pytest.mark.parametrize("prompt_len", [10, 8])  # ends mid-block / exactly on a boundary
 def test_copy_on_write_after_fork(prompt_len):
-    bm = make_block_manager(16, BS, enable_prefix_caching=False)
-    model = KVContentModel(16, BS)
+    bm, model = manager_and_model(16, enable_prefix_caching=False)
     parent = make_seq(0, list(range(100, 100 + prompt_len)))
     admit(bm, model, parent)
     child = parent.fork(1)
@@ -154,8 +161,7 @@ def test_copy_on_write_after_fork(prompt_len):
 
 def test_copy_on_write_for_multi_block_chunk_into_shared_tail():
     # A chunk spanning a shared partial block and beyond: one copy, then fresh blocks.
-    bm = make_block_manager(16, BS, enable_prefix_caching=False)
-    model = KVContentModel(16, BS)
+    bm, model = manager_and_model(16, enable_prefix_caching=False)
     parent = make_seq(0, list(range(6)))
     admit(bm, model, parent)
     child = parent.fork(1)
@@ -177,8 +183,7 @@ def test_copy_on_write_for_multi_block_chunk_into_shared_tail():
 def test_blocks_needed_is_exact_for_a_group_sharing_a_tail():
     # Three sequences share a partial block: the first two writers copy, the last writes
     # in place, so the group needs exactly two blocks (the scheduler preempts on this).
-    bm = make_block_manager(16, BS, enable_prefix_caching=False)
-    model = KVContentModel(16, BS)
+    bm, model = manager_and_model(16, enable_prefix_caching=False)
     parent = make_seq(0, list(range(6)))
     admit(bm, model, parent)
     group = [parent]
@@ -201,8 +206,7 @@ def test_blocks_needed_is_exact_for_a_group_sharing_a_tail():
 
 
 def test_prefix_cache_reuse_and_cap():
-    bm = make_block_manager(32, BS)
-    model = KVContentModel(32, BS)
+    bm, model = manager_and_model(32)
     a = make_seq(0, list(range(10)))
     assert admit(bm, model, a) == 0
     assert a.num_registered_blocks == 2  # the two full blocks; the partial one is not cached
@@ -232,8 +236,7 @@ def test_prefix_cache_reuse_and_cap():
 
 
 def test_reset_prefix_cache_keeps_blocks_in_use():
-    bm = make_block_manager(32, BS)
-    model = KVContentModel(32, BS)
+    bm, model = manager_and_model(32)
     a = make_seq(0, list(range(9)))
     b = make_seq(1, list(range(50, 59)))
     admit(bm, model, a)
@@ -247,8 +250,7 @@ def test_reset_prefix_cache_keeps_blocks_in_use():
 
 
 def test_prefix_cache_off_never_reuses():
-    bm = make_block_manager(32, BS, enable_prefix_caching=False)
-    model = KVContentModel(32, BS)
+    bm, model = manager_and_model(32, enable_prefix_caching=False)
     a = make_seq(0, list(range(10)))
     admit(bm, model, a)
     b = make_seq(1, list(range(10)))
@@ -259,8 +261,7 @@ def test_prefix_cache_off_never_reuses():
 
 
 def test_lru_eviction_order():
-    bm = make_block_manager(7, BS, watermark=0.0)  # 6 usable blocks
-    model = KVContentModel(7, BS)
+    bm, model = manager_and_model(7, watermark=0.0)  # 6 usable blocks
     a = make_seq(0, list(range(0, 9)))     # 2 full blocks + 1 partial
     b = make_seq(1, list(range(50, 59)))
     admit(bm, model, a)
@@ -285,8 +286,7 @@ def test_lru_eviction_order():
 
 
 def test_swap_out_in_moves_shared_blocks_once():
-    bm = make_block_manager(32, BS, num_host_blocks=8, enable_prefix_caching=False)
-    model = KVContentModel(32, BS, 8)
+    bm, model = manager_and_model(32, 8, enable_prefix_caching=False)
     parent = make_seq(0, list(range(10)))
     admit(bm, model, parent)
     kids = []
@@ -327,8 +327,7 @@ def test_swap_out_in_moves_shared_blocks_once():
 
 
 def test_swap_out_refused_when_host_pool_too_small():
-    bm = make_block_manager(32, BS, num_host_blocks=2)
-    model = KVContentModel(32, BS, 2)
+    bm, model = manager_and_model(32, 2)
     seq = make_seq(0, list(range(12)))
     admit(bm, model, seq)
     assert not bm.can_swap_out(seq)
@@ -338,8 +337,7 @@ def test_swap_out_refused_when_host_pool_too_small():
 
 
 def test_swapped_sequence_frees_host_blocks():
-    bm = make_block_manager(32, BS, num_host_blocks=8)
-    model = KVContentModel(32, BS, 8)
+    bm, model = manager_and_model(32, 8)
     seq = make_seq(0, list(range(12)))
     admit(bm, model, seq)
     bm.swap_out(seq)
@@ -350,8 +348,7 @@ def test_swapped_sequence_frees_host_blocks():
 
 
 def test_logical_vs_physical_blocks():
-    bm = make_block_manager(32, BS, enable_prefix_caching=False)
-    model = KVContentModel(32, BS)
+    bm, model = manager_and_model(32, enable_prefix_caching=False)
     parent = make_seq(0, list(range(10)))
     admit(bm, model, parent)
     for i in (1, 2, 3):
@@ -380,8 +377,7 @@ def test_allocate_slots_commits_a_group_plan_like_appending_in_order():
     # place. One call does what three append_slots calls in plan order do.
     twins = []
     for _ in range(2):
-        bm = make_block_manager(16, BS, enable_prefix_caching=False)
-        model = KVContentModel(16, BS)
+        bm, model = manager_and_model(16, enable_prefix_caching=False)
         twins.append((bm, model, forked_group(bm, model, 6, 3)))
     (bm, model, group), (ref_bm, _, ref_group) = twins
     need = bm.blocks_needed([(s, 1) for s in group])
@@ -401,8 +397,7 @@ def test_allocate_slots_commits_a_group_plan_like_appending_in_order():
 
 def test_allocate_slots_is_all_or_nothing():
     # Two independent sequences each open a new block; only one block is left.
-    bm = make_block_manager(7, BS, enable_prefix_caching=False, watermark=0.0)
-    model = KVContentModel(7, BS)
+    bm, model = manager_and_model(7, enable_prefix_caching=False, watermark=0.0)
     a, b = make_seq(0, list(range(8))), make_seq(1, list(range(10, 16)))
     admit(bm, model, a)
     admit(bm, model, b)
@@ -426,8 +421,7 @@ def test_allocate_slots_is_all_or_nothing():
 
 @pytest.mark.parametrize("prompt_len", [6, 8])  # a shared partial block / a fresh block
 def test_allocate_slots_one_decode_without_room_changes_nothing(prompt_len):
-    bm = make_block_manager(1 + -(-prompt_len // BS), BS, enable_prefix_caching=False, watermark=0.0)
-    model = KVContentModel(bm.num_blocks, BS)
+    bm, model = manager_and_model(1 + -(-prompt_len // BS), enable_prefix_caching=False, watermark=0.0)
     group = forked_group(bm, model, prompt_len, 2)
     assert bm.num_available_blocks == 0 and bm.blocks_needed([(group[0], 1)]) == 1
     before = snapshot(bm, group)
@@ -440,8 +434,7 @@ def test_allocate_slots_one_decode_without_room_changes_nothing(prompt_len):
 
 
 def test_allocate_slots_validation():
-    bm = make_block_manager(8, BS)
-    model = KVContentModel(8, BS)
+    bm, model = manager_and_model(8)
     held = make_seq(0, list(range(5)))
     admit(bm, model, held)
     stranger = make_seq(1, [1, 2])
@@ -460,8 +453,7 @@ def test_allocate_slots_fits_exactly_when_blocks_needed_fits(data, caching, num_
     """Random forked groups and plans: None exactly when `blocks_needed` exceeds what is
     available, and then nothing changed; otherwise exactly that many blocks are taken and
     every sequence still reads its own K/V."""
-    bm = make_block_manager(num_blocks, BS, enable_prefix_caching=caching, watermark=0.0)
-    model = KVContentModel(num_blocks, BS)
+    bm, model = manager_and_model(num_blocks, enable_prefix_caching=caching, watermark=0.0)
     live: list[Sequence] = []
     next_id = 0
     for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
@@ -519,8 +511,7 @@ OPS = ("admit", "step", "fork", "free", "swap_out", "swap_in")
        num_host=st.integers(0, 12), watermark=st.sampled_from([0.0, 0.1]))
 def test_random_operations_keep_invariants_and_contents(data, caching, num_blocks, num_host,
                                                         watermark):
-    bm = make_block_manager(num_blocks, BS, num_host, enable_prefix_caching=caching, watermark=watermark)
-    model = KVContentModel(num_blocks, BS, num_host)
+    bm, model = manager_and_model(num_blocks, num_host, enable_prefix_caching=caching, watermark=watermark)
     live: list[Sequence] = []      # on device
     swapped: list[list[Sequence]] = []
     next_id = 0

@@ -59,6 +59,14 @@ def test_fixed_and_make_trace():
     assert wl.make_trace("alpaca", 10, seed=2) == wl.alpaca_like(10, seed=2)
 
 
+def test_random_token_requests_fit_the_model_and_repeat_from_seed():
+    trace = [wl.Request(5, 7), wl.Request(400, 400), wl.Request(98, 50)]
+    reqs = wl.random_token_requests(trace, vocab_size=100, max_model_len=100, seed=3)
+    assert [(len(ids), out) for ids, out in reqs] == [(5, 7), (98, 1), (98, 1)]
+    assert all(10 <= t < 90 for ids, _ in reqs for t in ids)
+    assert reqs == wl.random_token_requests(trace, vocab_size=100, max_model_len=100, seed=3)
+
+
 @pytest.mark.parametrize("call,field", [
     (lambda: wl.fixed(2, 0, 5), "input_len"),
     (lambda: wl.fixed(2, 5, 0), "output_len"),

@@ -10,6 +10,8 @@ where the time went.
 """
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -25,53 +27,44 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.num_requests_running = Gauge("paxkv:num_requests_running",
-                                          "Requests with sequences in the running batch", registry=r)
-        self.num_requests_waiting = Gauge("paxkv:num_requests_waiting",
-                                          "Requests waiting to be scheduled", registry=r)
-        self.num_requests_swapped = Gauge("paxkv:num_requests_swapped",
-                                          "Sequences swapped out to host memory", registry=r)
-        self.kv_cache_usage_perc = Gauge("paxkv:kv_cache_usage_perc",
-                                         "Share of KV blocks in use (1 = full)", registry=r)
-        self.num_preemptions = Counter("paxkv:num_preemptions",
-                                       "Sequences preempted (recompute or swap)", registry=r)
-        self.prefix_cache_queries = Counter("paxkv:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_cache_hits = Counter("paxkv:prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache", registry=r)
-        self.prompt_tokens = Counter("paxkv:prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("paxkv:generation_tokens", "Tokens generated", registry=r)
-        self.requests_finished = Counter("paxkv:request_success", "Requests finished", registry=r)
-        self.requests_aborted = Counter("paxkv:request_aborted",
-                                        "Requests aborted (client gone or shutdown)", registry=r)
-        self.requests_rejected = Counter("paxkv:request_rejected",
-                                         "Requests refused with 503 (waiting queue full)", registry=r)
-        self.ttft = Histogram("paxkv:time_to_first_token_seconds",
-                              "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("paxkv:time_per_output_token_seconds",
-                              "Mean time between output tokens of a request", buckets=_TPOT_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("paxkv:e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.engine_step_seconds = Counter("paxkv:engine_step_seconds",
-                                           "Wall time inside engine.step()", registry=r)
-        self.output_processing_seconds = Counter(
+        gauge = functools.partial(Gauge, registry=self.registry)
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.num_requests_running = gauge("paxkv:num_requests_running",
+                                          "Requests with sequences in the running batch")
+        self.num_requests_waiting = gauge("paxkv:num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_requests_swapped = gauge("paxkv:num_requests_swapped",
+                                          "Sequences swapped out to host memory")
+        self.kv_cache_usage_perc = gauge("paxkv:kv_cache_usage_perc", "Share of KV blocks in use (1 = full)")
+        self.num_preemptions = counter("paxkv:num_preemptions", "Sequences preempted (recompute or swap)")
+        self.prefix_cache_queries = counter("paxkv:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("paxkv:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("paxkv:prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("paxkv:generation_tokens", "Tokens generated")
+        self.requests_finished = counter("paxkv:request_success", "Requests finished")
+        self.requests_aborted = counter("paxkv:request_aborted", "Requests aborted (client gone or shutdown)")
+        self.requests_rejected = counter("paxkv:request_rejected",
+                                         "Requests refused with 503 (waiting queue full)")
+        self.ttft = histogram("paxkv:time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = histogram("paxkv:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request", buckets=_TPOT_BUCKETS)
+        self.e2e = histogram("paxkv:e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS)
+        self.engine_step_seconds = counter("paxkv:engine_step_seconds", "Wall time inside engine.step()")
+        self.output_processing_seconds = counter(
             "paxkv:output_processing_seconds",
-            "Time turning step outputs into updates (engine-side rows, detokenization included)",
-            registry=r)
-        self.engine_idle_seconds = Counter("paxkv:engine_idle_seconds",
-                                           "Engine loop waiting for requests", registry=r)
-        self.frontend_busy_seconds = Counter(
+            "Time turning step outputs into updates (engine-side rows, detokenization included)")
+        self.engine_idle_seconds = counter("paxkv:engine_idle_seconds", "Engine loop waiting for requests")
+        self.frontend_busy_seconds = counter(
             "paxkv:frontend_busy_seconds",
-            "Event-loop time not spent waiting for sockets (HTTP parsing, handlers, JSON, SSE)",
-            registry=r)
-        self.num_compilations = Gauge("paxkv:num_compilations",
-                                      "Step programs compiled so far (steady state adds none)",
-                                      registry=r)
-        self.compile_seconds = Gauge("paxkv:compile_seconds", "Time spent compiling step programs",
-                                     registry=r)
+            "Event-loop time not spent waiting for sockets (HTTP parsing, handlers, JSON, SSE)")
+        self.num_compilations = gauge("paxkv:num_compilations",
+                                      "Step programs compiled so far (steady state adds none)")
+        self.compile_seconds = gauge("paxkv:compile_seconds", "Time spent compiling step programs")
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0

@@ -212,6 +212,23 @@ def make_trace(name: str, num: int, seed: int = 0, rate: float = math.inf) -> li
     raise ValueError(f"trace must be one of {TRACES}, got {name!r}")
 
 
+def random_token_requests(trace: list[Request], vocab_size: int, max_model_len: int,
+                          seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) of each request, for the benchmarks that send token ids.
+
+    Ids are uniform in [10, vocab_size - 10), away from the special ids. A prompt keeps at most
+    max_model_len - 2 tokens and its output what then fits below max_model_len - 1 (at least
+    one token), so that every request fits the engine whatever the trace drew."""
+    rng = np.random.default_rng(seed)
+    cap = max_model_len - 1
+    out = []
+    for r in trace:
+        prompt_len = min(r.prompt_len, cap - 1)
+        output_len = max(1, min(r.output_len, cap - prompt_len))
+        out.append((rng.integers(10, vocab_size - 10, size=prompt_len).tolist(), output_len))
+    return out
+
+
 def summarize(requests: list[Request]) -> dict[str, float]:
     """Means and percentiles of a trace, for result files."""
     p = np.array([r.prompt_len for r in requests], dtype=np.float64)
