@@ -85,14 +85,18 @@ class LLM:
         from paxkv.runner.compile_cache import enable_compilation_cache
         from paxkv.runner.memory import block_bytes_per_device, num_kv_blocks, num_swap_blocks
 
+        platform = jax.default_backend()
+        multi_process = jax.process_count() > 1
+        if platform == "cpu" and (tensor_parallel_size != 1 or multi_process):
+            # JAX's CPU executables of sharded programs can crash the process (a segfault
+            # or an abort inside XLA) when written to or read from the persistent cache.
+            compilation_cache_dir = None
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
 
-        platform = jax.default_backend()
         dtype = resolve_dtype(dtype, platform)
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         path, cfg = _resolve_model(model)
         mesh = None
-        multi_process = jax.process_count() > 1
         if tensor_parallel_size != 1 or multi_process:
             from paxkv.parallel.loading import load_model
             mesh, params, cfg = load_model(path, cfg, params, tensor_parallel_size, dtype, seed)
