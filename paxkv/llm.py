@@ -87,11 +87,9 @@ class LLM:
 
         platform = jax.default_backend()
         multi_process = jax.process_count() > 1
-        if platform == "cpu" and (tensor_parallel_size != 1 or multi_process):
-            # JAX's CPU executables of sharded programs can crash the process (a segfault
-            # or an abort inside XLA) when written to or read from the persistent cache.
-            compilation_cache_dir = None
-        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
+        self.compilation_cache_dir = enable_compilation_cache(
+            compilation_cache_dir,
+            sharded_on_cpu=platform == "cpu" and (tensor_parallel_size != 1 or multi_process))
 
         dtype = resolve_dtype(dtype, platform)
         jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32

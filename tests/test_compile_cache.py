@@ -35,12 +35,14 @@ def test_second_process_compiles_nothing(tmp_path):
     assert runs[1]["cache_hits"] >= runs[0]["cache_misses"]
 
 
-def test_the_cache_is_bounded_so_processes_lock_its_entries(tmp_path):
+def test_the_cache_is_bounded_and_off_for_sharded_cpu_programs(tmp_path):
     import jax
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)
     try:
         assert compile_cache.enable_compilation_cache(str(tmp_path)) == str(tmp_path)
         assert jax.config.jax_compilation_cache_max_size == compile_cache.MAX_CACHE_BYTES > 0
+        assert compile_cache.enable_compilation_cache(str(tmp_path), sharded_on_cpu=True) is None
+        assert jax.config.jax_compilation_cache_dir is None
     finally:
         jax.config.update("jax_compilation_cache_max_size", before[1])
         compile_cache.enable_compilation_cache(before[0] or "off")

@@ -42,12 +42,17 @@ def resolve_cache_dir(requested: str | None = "auto") -> str | None:
     return default_cache_dir()
 
 
-def enable_compilation_cache(requested: str | None = "auto") -> str | None:
-    """Point JAX's persistent cache at the resolved directory (once per process)."""
+def enable_compilation_cache(requested: str | None = "auto", sharded_on_cpu: bool = False) -> str | None:
+    """Point JAX's persistent cache at the resolved directory (once per process).
+
+    `sharded_on_cpu`: the programs will be split over several CPU devices or processes. JAX's
+    CPU executables of such programs can crash the process (a segfault or an abort inside
+    XLA) when written to or read from the cache, so it stays off for them.
+    """
     import jax
     from jax._src import compilation_cache
 
-    path = resolve_cache_dir(requested)
+    path = None if sharded_on_cpu else resolve_cache_dir(requested)
     current = jax.config.jax_compilation_cache_dir
     if current == path:
         return path
