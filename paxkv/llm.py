@@ -54,7 +54,7 @@ class LLM:
                  tensor_parallel_size: int = 1, seed: int = 0, params: Any = None,
                  tokenizer: Any = "auto", num_scheduler_steps: int = 1,
                  async_scheduling: bool = True, compilation_cache_dir: str | None = "auto",
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, precompile: bool = False,
                  distributed_coordinator_address: str | None = None,
                  distributed_num_processes: int | None = None,
                  distributed_process_id: int | None = None) -> None:
@@ -62,6 +62,8 @@ class LLM:
         gives the synchronous engine, same outputs). `compilation_cache_dir`: JAX's
         persistent compilation cache ("auto": `PAXKV_COMPILATION_CACHE_DIR` or the user
         cache directory; None or "off": no cache; see `paxkv/runner/compile_cache.py`).
+        `precompile`: compile every step shape of a plain workload now, so that requests
+        arriving over time never wait on a compilation (GPU only; `paxkv/runner/precompile.py`).
 
         `tensor_parallel_size` > 1 splits weights and KV pool over that many devices; the
         `distributed_*` arguments join several processes (hosts) into one engine (README:
@@ -87,6 +89,10 @@ class LLM:
 
         platform = jax.default_backend()
         multi_process = jax.process_count() > 1
+        if not isinstance(precompile, bool):
+            raise TypeError(f"precompile must be a bool, got {precompile!r}")
+        if precompile and platform != "gpu":
+            raise ValueError(f"precompile needs the GPU's fixed step shapes; JAX runs on {platform!r}")
         self.compilation_cache_dir = enable_compilation_cache(
             compilation_cache_dir,
             sharded_on_cpu=platform == "cpu" and (tensor_parallel_size != 1 or multi_process))
@@ -140,6 +146,9 @@ class LLM:
         self.config = config.with_pool(
             num_blocks, num_swap_blocks(config, block_bytes_per_device(profile)))
         runner = Runner(params, runner_config(self.config, platform), mesh)
+        if precompile:   # every process of a multi-host engine compiles the same programs
+            compiled = runner.precompile(num_scheduler_steps)
+            logger.info("precompiled %d step programs in %.1f s", compiled, runner.compile_time_s)
         if multi_process and multihost.is_driver():   # announce each device call to the workers
             runner = multihost.DriverRunner(runner)
         self.llm_engine = LLMEngine(self.config, runner, tokenizer)

@@ -24,7 +24,7 @@ the HTTP throughput missed its offline reference.
         --out_dir /tmp/serving                                   # both arrangements, one run
     PYTHONPATH=. python3 scripts/bench_serving.py --model llama3-8b --num_prompts 1000 \\
         --input_len 256 --output_len 256 --rates 10,20,40 --rate_num_prompts 300 \\
-        --warmup_prompts 512 --warmup_output_len 64 --engine_args="--num-scheduler-steps 8" \\
+        --warmup_prompts 512 --warmup_output_len 64 --engine_args="--precompile" \\
         --deadline_s 270 --out_dir results/serving                                  # H200
 """
 from __future__ import annotations

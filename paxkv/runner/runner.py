@@ -495,6 +495,29 @@ class Runner:
         timing.host_s = pending.t_dispatched - pending.t_start
         return host, timing
 
+    def precompile(self, num_scheduler_steps: int = 1, use_tqdm: bool = True) -> int:
+        """Compile every step program of `precompile.reachable_step_shapes`, greedy and sampled
+        (and the multi-step decode of each decode bucket when `num_scheduler_steps` > 1), so
+        no request of a plain workload waits on a compilation. Call before the first request:
+        the dummy steps write only the null block. Returns the programs compiled."""
+        from paxkv.runner.precompile import dummy_step, reachable_step_shapes
+        shapes = reachable_step_shapes(self.config)
+        work = [(shape, temperature, steps) for shape in shapes for temperature in (0.0, 1.0)
+                for steps in ((1, num_scheduler_steps) if shape.decode_only and num_scheduler_steps > 1
+                              else (1,))]
+        before, saved = self.num_compilations, self._last_tokens
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            work = tqdm(work, desc="Precompiling step shapes", dynamic_ncols=True)
+        for shape, temperature, steps in work:
+            items, rows = dummy_step(shape, self.config, temperature)
+            if steps > 1:
+                self.fetch(self.dispatch_multi_decode(items, rows, steps))
+            else:
+                self.fetch(self.dispatch(items, rows))
+        self._last_tokens = saved
+        return self.num_compilations - before
+
     def step_scratch_bytes(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> int:
         """Device memory one step over `items` needs beyond its inputs, by XLA's analysis of
         the compiled program (so it does not depend on what else the process allocated)."""

@@ -51,6 +51,7 @@ _HELP = {
     "tensor_parallel_size": "devices to shard the model over",
     "seed": "seed of requests that give none, and of random weights",
     "num_scheduler_steps": "decode steps per host round trip",
+    "precompile": "compile every step shape at start-up (GPU), so no request waits on a compilation",
 }
 
 
