@@ -1,10 +1,10 @@
 """paxkv: vLLM's PagedAttention serving engine, reimplemented in JAX and Pallas."""
 from paxkv.outputs import CompletionOutput, RequestOutput
-from paxkv.sampling_params import BeamSearchParams, SamplingParams
+from paxkv.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "RequestOutputKind"]
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ need the engine (vocabulary, `max_logprobs`) run at `add_request`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json as _json
 from typing import Any, Mapping, Sequence
 
@@ -63,6 +64,20 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must not be empty")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request holds (vLLM's names).
+
+    CUMULATIVE: everything so far. DELTA: only what is new since the request's previous
+    output (token ids, logprobs, text, hidden states; prompt logprobs with the first), which
+    is what a stream sends and costs the engine O(new tokens) per step instead of O(output).
+    FINAL_ONLY: nothing until the request finishes, then everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample one request. temperature 0 means greedy.
@@ -101,6 +116,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     return_hidden_states: Sequence[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = check_int("n", self.n, low=1)
@@ -145,6 +161,11 @@ class SamplingParams:
         if layers is not None and len(set(layers)) != len(layers):
             raise ValueError(f"return_hidden_states lists a layer twice: {layers}")
         self.return_hidden_states = layers
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.output_kind is RequestOutputKind.DELTA and self.best_of > self.n:
+            raise ValueError("output_kind DELTA cannot rank samples: best_of must equal n, got "
+                             f"best_of={self.best_of}, n={self.n}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float] | None:

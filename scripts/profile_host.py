@@ -7,6 +7,8 @@ benchmark's steady state: `--batch` sequences of 512 prompt tokens decoding toge
 
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --num_scheduler_steps 1
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --num_scheduler_steps 8
+    PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --server_outputs   # as in serving
+    PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --server_outputs --output_kind cumulative
 """
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ from paxkv.config import PRESETS, CacheConfig, EngineConfig, RunnerConfig, Sched
 from paxkv.engine.llm_engine import LLMEngine
 from paxkv.runner import Runner, transfer
 from paxkv.runner.runner import PendingStep
-from paxkv.sampling_params import SamplingParams
+from paxkv.sampling_params import RequestOutputKind, SamplingParams
+from paxkv.serve.streams import OutputRows
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 256, "sequences decoding together")
 flags.DEFINE_integer("num_scheduler_steps", 1, "decode steps per host round trip")
 flags.DEFINE_integer("calls", 100, "engine steps timed after the prefill")
+flags.DEFINE_bool("server_outputs", False, "as `paxkv serve`'s engine process: every step returns "
+                  "each changed request's output and turns it into streamed rows")
+flags.DEFINE_enum("output_kind", "delta", ["delta", "cumulative"],
+                  "with --server_outputs: the RequestOutputKind of the streamed requests")
 
 
 class StubRunner(Runner):
@@ -75,17 +82,26 @@ def main(argv: list[str]) -> None:
                           num_scheduler_steps=FLAGS.num_scheduler_steps).with_pool(40000)
     engine = LLMEngine(config, StubRunner(runner_config(config, platform="gpu")), None)
     rng = np.random.default_rng(0)
+    streams = OutputRows()
+    delta = FLAGS.server_outputs and FLAGS.output_kind == "delta"
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
     for i in range(FLAGS.batch):
         engine.add_request(str(i), rng.integers(0, 1000, size=512).tolist(),
-                           SamplingParams(temperature=0.0, max_tokens=1400, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=1400, ignore_eos=True,
+                                          detokenize=not FLAGS.server_outputs, output_kind=kind))
+        streams.track(str(i), i, stream=True, delta=delta)
     while engine.scheduler.num_waiting:
         engine.step(only_finished=True)
     first = len(engine.metrics.steps)
-    durations = []
+    durations, rows_s = [], []
     for _ in range(FLAGS.calls):
         t = time.perf_counter()
-        engine.step(only_finished=True)
+        outs = engine.step(only_finished=not FLAGS.server_outputs)
         durations.append(time.perf_counter() - t)
+        if FLAGS.server_outputs:
+            t = time.perf_counter()
+            streams.rows(outs)
+            rows_s.append(time.perf_counter() - t)
     elapsed = sum(durations)
     tokens = sum(s.num_decode_tokens for s in engine.metrics.steps[first:])
     per_token_step = elapsed / (tokens / FLAGS.batch)
@@ -95,6 +111,8 @@ def main(argv: list[str]) -> None:
           f"{1e3 * elapsed / FLAGS.calls:.2f} ms per engine step, "
           f"{1e3 * per_token_step:.2f} ms of host Python per decode step of the batch, "
           f"median engine step {1e3 * float(np.median(durations)):.2f} ms")
+    if FLAGS.server_outputs:
+        print(f"streamed rows from the outputs: median {1e3 * float(np.median(rows_s)):.2f} ms per step")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 refused or aborted request leaves nothing behind and disturbs nothing else in flight."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import hypothesis.strategies as st
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 
 from engine_helpers import assert_no_leaks
 from paxkv import LLM, SamplingParams
-from paxkv.sampling_params import StructuredOutputsParams
+from paxkv.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 VOCAB = 4096
 
@@ -152,6 +153,7 @@ VALID = {
     "structured_outputs": st.sampled_from([StructuredOutputsParams(choice=["yes", "no"]),
                                            StructuredOutputsParams(regex="[a-z]{1,4}")]),
     "return_hidden_states": st.sampled_from([[0], [4], [1, 3]]),
+    "output_kind": st.sampled_from(list(RequestOutputKind)),
 }
 INVALID = {
     "n": INT_BAD, "top_k": INT_BAD, "seed": st.sampled_from(["7", 1.5, True, -1, 2**40]),
@@ -169,6 +171,7 @@ INVALID = {
     "bad_words": st.sampled_from(["the", [""], [5]]),
     "structured_outputs": st.sampled_from(["json", StructuredOutputsParams(regex="([a-")]),
     "return_hidden_states": st.sampled_from([[99], [1.5], [], [0, 0]]),
+    "output_kind": st.sampled_from([1, "DELTA", None]),
 }
 GOOD_PROMPT = st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
                         st.sampled_from(["Emma", "It is a truth", "She said, \"No"]))
@@ -219,16 +222,28 @@ def test_any_request_is_refused_by_name_or_served(tiny_llm, clean_background, ca
     assert set(engine.requests) <= {"bg0", "bg1", "fuzz"}
     if refused is not None:
         assert "fuzz" not in engine.requests
-    done = {}
+    done, fuzz_outputs = {}, []
     while engine.has_unfinished_requests():
         for o in engine.step():
+            if o.request_id == "fuzz":
+                fuzz_outputs.append(o)
             if o.finished:
                 done[o.request_id] = o
     assert [done[f"bg{i}"].outputs[0].token_ids for i in range(2)] == clean_background
     if refused is None:
         fuzz = done["fuzz"]
-        assert len(fuzz.outputs) == kwargs.get("n", 1)
-        for c in fuzz.outputs:
+        samples = fuzz.outputs
+        if kwargs.get("output_kind") is RequestOutputKind.DELTA:   # news only: join them
+            ids: dict[int, list[int]] = {}
+            ends = {}
+            for o in fuzz_outputs:
+                for c in o.outputs:
+                    ids.setdefault(c.index, []).extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        ends[c.index] = c
+            samples = [dataclasses.replace(ends[i], token_ids=ids[i]) for i in sorted(ids)]
+        assert len(samples) == kwargs.get("n", 1)
+        for c in samples:
             assert c.finish_reason in ("stop", "length")
             assert 1 <= len(c.token_ids) <= kwargs.get("max_tokens", 16)
             assert all(0 <= t < VOCAB for t in c.token_ids)

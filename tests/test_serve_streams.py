@@ -113,6 +113,40 @@ def test_stop_strings_hold_text_back_and_end_on_the_engine_text(tok):
     assert pickle.loads(pickle.dumps(row)) == row
 
 
+def test_delta_rows_end_each_sample_when_it_ends(tok):
+    """DELTA outputs (what a stream asks the engine for): each output holds only news, and a
+    sample that a stop string ends before its sibling gets its end, text cut, at once."""
+    ids = [tok.encode("It was a truth universally acknowledged"), tok.encode("She said no, then left")]
+    stop = " then"
+    cut = tok.decode(ids[1])[:tok.decode(ids[1]).index(stop)]
+    ends_at = next(k for k in range(1, len(ids[1]) + 1) if stop in tok.decode(ids[1][:k]))
+    rows = OutputRows()
+    rows.track("a", 0, stream=True, delta=True)
+    with pytest.raises(ValueError, match="DELTA outputs are for streamed requests"):
+        rows.track("b", 1, stream=False, delta=True)
+    rs = RequestStream(SamplingParams(n=2, max_tokens=50, stop=[stop]), True, tok, asyncio.Queue(), 0.0, 3)
+    metrics = ServerMetrics("t")
+    texts, finishes, total = ["", ""], [None, None], 0
+    for k in range(1, len(ids[0]) + 1):
+        comps = [CompletionOutput(0, "", ids[0][k - 1:k], finish_reason="length" if k == len(ids[0]) else None)]
+        if k <= ends_at:
+            done = k == ends_at
+            comps.append(CompletionOutput(1, cut if done else "", ids[1][k - 1:k],
+                                          finish_reason="stop" if done else None,
+                                          stop_reason=stop if done else None))
+        total += sum(len(c.token_ids) for c in comps)
+        (row,) = rows.rows([RequestOutput("a", None, [1, 2, 3], comps, k == len(ids[0]))])
+        assert row[3] == total                      # tokens of both samples so far
+        u = rs.apply(row, float(k), metrics)
+        for d in u.deltas:
+            assert finishes[d.index] is None, "a sample spoke after its end"
+            texts[d.index] += d.text
+            finishes[d.index] = d.finish_reason
+        assert finishes[1] == ("stop" if k >= ends_at else None)
+        assert cut.startswith(texts[1])            # never a character of the stop string
+    assert texts == [tok.decode(ids[0]), cut] and finishes == ["length", "stop"]
+
+
 def test_merged_updates_concatenate_per_choice():
     a = Update([SampleDelta(0, "ab", [1, 2], [{1: -1.0}, {2: -2.0}]), SampleDelta(1, "x", [9], None)],
                False, 3, 3)

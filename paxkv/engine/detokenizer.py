@@ -19,6 +19,7 @@ Host-only: no JAX.
 from __future__ import annotations
 
 import codecs
+import logging
 import weakref
 from typing import Any, Sequence
 
@@ -136,4 +137,43 @@ class IncrementalDetokenizer:
         delta = full[len(self.text):]
         self.text = full
         self._read = len(self.ids)
+        return delta
+
+
+class StreamedText:
+    """The text one sample streams: deltas that are always a prefix of the final text.
+
+    Stop strings end a sample at the token that completes one, and the final text is cut
+    before it; while the sample runs, the last `len(longest stop string) - 1` characters are
+    held back, so no streamed delta ever shows part of a stop string. Shared by DELTA outputs
+    (`RequestOutputKind.DELTA`) and the server's frontend, which detokenizes apart from the
+    engine.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add ids; the text newly safe to show (possibly empty)."""
+        detok = self.detok
+        detok.push(new_ids)
+        visible = detok.text[:len(detok.text) - self.holdback] if self.holdback else detok.text
+        if len(visible) <= len(self.sent):
+            return ""
+        delta = visible[len(self.sent):]
+        self.sent = visible
+        return delta
+
+    def finish(self, new_ids: Sequence[int], final_text: str | None = None) -> str:
+        """The last ids of the sample; the rest of its text. `final_text`: the stop-truncated
+        text when a stop string ended it (else the full decode)."""
+        self.detok.push(new_ids)
+        self.detok.flush()
+        full = final_text if final_text is not None else self.detok.text
+        if not full.startswith(self.sent):   # a bug, not an input: say so, keep serving
+            logging.getLogger("paxkv").error("streamed text is not a prefix of the final text")
+        delta = full[len(self.sent):]
+        self.sent = full
         return delta

@@ -34,7 +34,9 @@ from paxkv.engine.step_io import HostSample, SampleRow, WorkItem
 from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, RequestValidator
 from paxkv.metrics import Metrics, StepStats
 from paxkv.outputs import RequestMetrics, RequestOutput
-from paxkv.sampling_params import BeamSearchParams, SamplingParams
+from paxkv.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 Prompt = str | Sequence[int]
 _NO_TOP = ((), ())   # top-k ids and logprobs of a row whose request asked for none
@@ -518,7 +520,7 @@ class LLMEngine:
             finished = rid in ended and req.finished
             if finished and req.timing is not None:
                 req.timing.finished_time = now
-            if finished or not only_finished:
+            if finished or not (only_finished or req.params.output_kind is FINAL_ONLY):
                 changed[rid] = self.output_processor.make_output(req)
             if finished:
                 self.metrics.num_requests_finished += 1

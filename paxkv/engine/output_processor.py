@@ -7,12 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from paxkv.engine.detokenizer import StreamedText
 from paxkv.engine.request_features import RequestFeatures
 from paxkv.engine.requests import EngineRequest, SamplingRequest
 from paxkv.engine.scheduler import Scheduler
 from paxkv.engine.sequence import Sequence, SequenceStatus
 from paxkv.metrics import Metrics
 from paxkv.outputs import CompletionOutput, RequestOutput
+from paxkv.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
@@ -104,6 +106,8 @@ class OutputProcessor:
     def make_output(self, req: EngineRequest) -> RequestOutput:
         """The request's current RequestOutput; finished best_of requests keep their n best."""
         p = req.params
+        if p.output_kind is RequestOutputKind.DELTA:
+            return self._make_delta(req)
         texts = getattr(req, "texts", {})
         logprobs = getattr(req, "logprobs", {})
         comps = []
@@ -128,8 +132,49 @@ class OutputProcessor:
             comps = comps[:p.n]
             for i, c in enumerate(comps):
                 c.index = i
-        prompt_logprobs = None
-        if req.features is not None and req.features.prompt_logprobs is not None:
-            prompt_logprobs = list(req.features.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished,
-                             req.num_cached_tokens or 0, req.timing, prompt_logprobs)
+                             req.num_cached_tokens or 0, req.timing, self._prompt_logprobs(req))
+
+    def _make_delta(self, req: SamplingRequest) -> RequestOutput:
+        """output_kind DELTA: each sample that has news since the request's last output, with
+        only that news (prompt logprobs with the first output)."""
+        p = req.params
+        first = not req.emitted and not req.finish_emitted
+        detok = self.tokenizer is not None and p.detokenize
+        comps = []
+        for i, s in enumerate(req.samples):
+            key = s.seq_id
+            start = req.emitted.get(key, 0)
+            known = len(s.token_ids) - s.num_pending_tokens - s.num_prompt_tokens
+            done = req.aborted or (s.status.is_finished() and not s.num_pending_tokens)
+            if known <= start and (not done or key in req.finish_emitted):
+                continue
+            ids = s.token_ids[s.num_prompt_tokens + start:s.num_prompt_tokens + known]
+            req.emitted[key] = known
+            # Without detokenize, text is empty but for a sample a stop string ended: its
+            # whole (cut) text, as in a CUMULATIVE output.
+            text = "" if detok or not done else req.texts.get(key, "")
+            if detok:
+                streamed = req.streamed_texts.get(key)
+                if streamed is None:
+                    streamed = req.streamed_texts[key] = StreamedText(self.tokenizer, p.stop)
+                text = streamed.finish(ids, req.texts.get(key)) if done else streamed.push(ids)
+            hidden = RequestFeatures.hidden_states_of(req.features, s)
+            if hidden is not None:
+                hidden = {layer: h[start:known] for layer, h in hidden.items()}
+            if done:
+                req.finish_emitted.add(key)
+            comps.append(CompletionOutput(
+                index=i, text=text, token_ids=ids, cumulative_logprob=s.cumulative_logprob,
+                logprobs=req.logprobs.get(key, [])[start:known] if p.logprobs is not None else None,
+                finish_reason=(s.finish_reason or "abort") if done else None,
+                stop_reason=s.stop_reason if done else None, hidden_states=hidden))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
+                             req.aborted or req.finished, req.num_cached_tokens or 0, req.timing,
+                             self._prompt_logprobs(req) if first else None)
+
+    @staticmethod
+    def _prompt_logprobs(req: EngineRequest) -> list | None:
+        if req.features is not None and req.features.prompt_logprobs is not None:
+            return list(req.features.prompt_logprobs)
+        return None

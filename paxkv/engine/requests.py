@@ -48,6 +48,11 @@ class SamplingRequest(EngineRequest):
     texts: dict[int, str] = dataclasses.field(default_factory=dict)
     logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
     forked: bool = False
+    # output_kind DELTA: per sample (seq id), output tokens already in an output, and whether
+    # its finish was; the text streamed so far (detokenize).
+    emitted: dict[int, int] = dataclasses.field(default_factory=dict)
+    finish_emitted: set[int] = dataclasses.field(default_factory=set)
+    streamed_texts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     def sample_seed(self, index: int) -> int:
         """Seed of sample `index`: the request's own seed for sample 0, a mix for the rest."""

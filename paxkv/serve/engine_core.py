@@ -27,6 +27,7 @@ import time
 from typing import Any, Sequence
 
 from paxkv.engine.llm_engine import Intake
+from paxkv.sampling_params import RequestOutputKind
 from paxkv.serve.ipc import Channel, EngineInfo, EngineState
 from paxkv.serve.streams import OutputRows
 
@@ -103,7 +104,7 @@ class EngineCore:
         except ValueError as e:
             self.channel.send(("failed", [key], str(e)))
             return
-        self.rows.track(rid, key, stream)
+        self.rows.track(rid, key, stream, params.output_kind is RequestOutputKind.DELTA)
 
     def _send_step(self, rows: list, step_s: float, process_s: float) -> None:
         self.channel.send(("step", rows, EngineState.of(self.engine), step_s, process_s, self.idle_s))

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from paxkv.sampling_params import SamplingParams
+from paxkv.sampling_params import RequestOutputKind, SamplingParams
 from paxkv.serve.handle import EngineHandle
 from paxkv.serve.ipc import EngineInfo, EngineState
 from paxkv.serve.metrics import ServerMetrics
@@ -142,7 +142,7 @@ class EngineLoop(EngineHandle):
             except ValueError as e:   # checked on the HTTP side already; a race, not a crash
                 self._loop.call_soon_threadsafe(_deliver, [(rs.sink, Update([], True, len(ids), 0, str(e)))])
                 continue
-            self._rows.track(str(key), key, stream)
+            self._rows.track(str(key), key, stream, params.output_kind is RequestOutputKind.DELTA)
             self._streams[key] = rs
 
     def _fail_all(self, message: str) -> None:

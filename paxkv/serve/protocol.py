@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from paxkv.sampling_params import SamplingParams, StructuredOutputsParams
+from paxkv.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 class OpenAIModel(BaseModel):
     # Unknown fields are kept (and reported in a warning) so newer clients still work.
@@ -159,7 +159,9 @@ class SamplingFields(OpenAIModel):
             logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.structured_params(),
-            detokenize=False)   # the server detokenizes incrementally itself
+            detokenize=False,   # the server detokenizes incrementally itself
+            # a stream needs only what is new each step; the rest is sent whole at its end
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE)
 
     @property
     def include_usage(self) -> bool:

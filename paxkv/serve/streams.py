@@ -26,7 +26,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from paxkv.engine.detokenizer import IncrementalDetokenizer
+from paxkv.engine.detokenizer import StreamedText
 from paxkv.outputs import RequestOutput
 from paxkv.sampling_params import SamplingParams
 
@@ -91,7 +91,9 @@ class EngineError(RuntimeError):
 class _Sent:
     key: int
     stream: bool
+    delta: bool                     # the engine gives DELTA outputs: all of them is news
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)   # sample index -> sent
+    total: int = 0                  # DELTA: output tokens of all samples so far
 
 
 class OutputRows:
@@ -100,8 +102,13 @@ class OutputRows:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
 
-    def track(self, request_id: str, key: int, stream: bool) -> None:
-        self._sent[request_id] = _Sent(key, stream)
+    def track(self, request_id: str, key: int, stream: bool, delta: bool = False) -> None:
+        """Listen to a request; `delta`: its SamplingParams ask for DELTA outputs (what a
+        stream should: the engine then builds O(new tokens) per step, not O(output))."""
+        if delta and not stream:
+            raise ValueError("DELTA outputs are for streamed requests (a non-streamed one is "
+                             "sent whole at its end)")
+        self._sent[request_id] = _Sent(key, stream, delta)
 
     def forget(self, request_id: str) -> bool:
         """Stop tracking (an abort); False if the request was not tracked (already done)."""
@@ -127,23 +134,32 @@ class OutputRows:
             sent = self._sent.get(out.request_id)
             if sent is None:
                 continue
-            total = sum(len(c.token_ids) for c in out.outputs)
+            if sent.delta:
+                sent.total += sum(len(c.token_ids) for c in out.outputs)
+                total = sent.total
+            else:
+                total = sum(len(c.token_ids) for c in out.outputs)
             if out.finished:
                 del self._sent[out.request_id]
             samples = []
             if out.finished or sent.stream:
                 for c in out.outputs:
-                    start = sent.tokens.get(c.index, 0) if sent.stream else 0
-                    if not out.finished and len(c.token_ids) <= start:
-                        continue
-                    sent.tokens[c.index] = len(c.token_ids)
-                    lps = c.logprobs[start:] if c.logprobs is not None else None
-                    if out.finished:
-                        stop_text = c.text if isinstance(c.stop_reason, str) else None
-                        samples.append((c.index, c.token_ids[start:], lps, c.finish_reason,
-                                        c.stop_reason, stop_text))
+                    if sent.delta:   # all news; a sample may end before its request does
+                        ids, lps = c.token_ids, c.logprobs
+                        if not ids and c.finish_reason is None:
+                            continue
                     else:
-                        samples.append((c.index, c.token_ids[start:], lps, None, None, None))
+                        start = sent.tokens.get(c.index, 0) if sent.stream else 0
+                        if not out.finished and len(c.token_ids) <= start:
+                            continue
+                        sent.tokens[c.index] = len(c.token_ids)
+                        ids = c.token_ids[start:]
+                        lps = c.logprobs[start:] if c.logprobs is not None else None
+                    if out.finished or (sent.delta and c.finish_reason is not None):
+                        stop_text = c.text if isinstance(c.stop_reason, str) else None
+                        samples.append((c.index, ids, lps, c.finish_reason, c.stop_reason, stop_text))
+                    else:
+                        samples.append((c.index, ids, lps, None, None, None))
             prompt_logprobs = out.prompt_logprobs if out.finished else None
             rows.append((sent.key, out.finished, len(out.prompt_token_ids), total, tuple(samples),
                          prompt_logprobs))
@@ -161,9 +177,8 @@ class RequestStream:
         self.sink = sink
         self.arrival = arrival
         self.num_prompt_tokens = num_prompt_tokens
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1 if stream else 0
-        self.detoks: dict[int, IncrementalDetokenizer] = {}
-        self.sent_text: dict[int, str] = {}
+        self.stop = params.stop
+        self.texts: dict[int, StreamedText] = {}
         self.first_token_time: float | None = None
         self.num_output_tokens = 0
         self.max_sample_tokens: dict[int, int] = {}
@@ -185,7 +200,7 @@ class RequestStream:
             metrics.observe_finished(self.arrival, self.first_token_time, now,
                                      max(self.max_sample_tokens.values(), default=0))
         elif self.stream:
-            deltas = [d for d in deltas if d.token_ids or d.text]
+            deltas = [d for d in deltas if d.token_ids or d.text or d.finish_reason]
         elif not started:
             return None
         return Update(deltas, finished, num_prompt, total, prompt_logprobs=prompt_logprobs)
@@ -193,26 +208,14 @@ class RequestStream:
     def _delta(self, s: SampleRow, final: bool) -> SampleDelta:
         index, ids, lps, finish_reason, stop_reason, stop_text = s
         self.max_sample_tokens[index] = self.max_sample_tokens.get(index, 0) + len(ids)
+        final = final or finish_reason is not None   # this sample ended (maybe before the others)
         text = self._text(index, ids, final, stop_text) if self.tokenizer is not None else ""
         return SampleDelta(index, text, list(ids), lps, finish_reason, stop_reason)
 
     def _text(self, index: int, new_ids: list[int], final: bool, stop_text: str | None) -> str:
         if not self.stream:   # one full decode at the end, as LLM.generate does
             return stop_text if stop_text is not None else self.tokenizer.decode(new_ids)
-        detok = self.detoks.get(index)
-        if detok is None:
-            detok = self.detoks[index] = IncrementalDetokenizer(self.tokenizer)
-        detok.push(new_ids)
-        sent = self.sent_text.get(index, "")
-        if final:
-            detok.flush()
-            full = stop_text if stop_text is not None else detok.text
-            if not full.startswith(sent):
-                logger.error("streamed text is not a prefix of the final text")
-            self.sent_text[index] = full
-            return full[len(sent):]
-        visible = detok.text[:len(detok.text) - self.holdback] if self.holdback else detok.text
-        if len(visible) <= len(sent):
-            return ""
-        self.sent_text[index] = visible
-        return visible[len(sent):]
+        text = self.texts.get(index)
+        if text is None:
+            text = self.texts[index] = StreamedText(self.tokenizer, self.stop)
+        return text.finish(new_ids, stop_text) if final else text.push(new_ids)
