@@ -67,6 +67,34 @@ def tiny_hf():
     return shared_tiny_hf()
 
 
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory maps of this process, the kernel's limit), where Linux says."""
+    try:
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return count, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Every XLA CPU executable stays loaded (about three memory maps each) for as long as
+    JAX's caches hold it, and one process runs the whole suite: past the kernel's limit on
+    memory maps (vm.max_map_count, 65530 by default) the next compilation cannot map its
+    code and XLA crashes the process. After a module, once a third of the limit is used, the
+    caches are dropped (programs the next modules share are compiled again)."""
+    yield
+    maps = _memory_maps()
+    if maps is not None and maps[0] > maps[1] // 3:
+        import gc
+
+        import jax
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _SUITE_CACHE is not None:
         shutil.rmtree(_SUITE_CACHE, ignore_errors=True)
