@@ -24,9 +24,8 @@ def prompts(offset: int = 0) -> list[list[int]]:
 
 
 def llm_kwargs(**overrides: Any) -> dict[str, Any]:
-    # No persistent compilation cache: JAX's CPU executables of sharded programs can crash
-    # the process when serialized (LLM switches it off for them too; this keeps the
-    # one-device reference of the comparison off it as well, so nothing is cached mid-test).
+    # No persistent compilation cache: LLM keeps it off for sharded CPU programs, and this
+    # keeps the one-device reference of the comparison off it as well (see compile_cache).
     kw = dict(dtype="float32", tokenizer=None, block_size=BLOCK_SIZE, num_gpu_blocks_override=64,
               max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
               compilation_cache_dir=None)

@@ -45,9 +45,10 @@ def resolve_cache_dir(requested: str | None = "auto") -> str | None:
 def enable_compilation_cache(requested: str | None = "auto", sharded_on_cpu: bool = False) -> str | None:
     """Point JAX's persistent cache at the resolved directory (once per process).
 
-    `sharded_on_cpu`: the programs will be split over several CPU devices or processes. JAX's
-    CPU executables of such programs can crash the process (a segfault or an abort inside
-    XLA) when written to or read from the cache, so it stays off for them.
+    `sharded_on_cpu`: the programs will be split over several CPU devices or processes (the
+    tests of tensor parallelism); the cache stays off for them, a precaution. The segfault
+    that first put it off (inside a compile that writes the cache) was later found to be
+    the test process running out of memory maps (tests/conftest.py), not the cache.
     """
     import jax
     from jax._src import compilation_cache
