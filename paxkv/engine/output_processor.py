@@ -139,7 +139,7 @@ class OutputProcessor:
         """output_kind DELTA: each sample that has news since the request's last output, with
         only that news (prompt logprobs with the first output)."""
         p = req.params
-        first = not req.emitted and not req.finish_emitted
+        first = not req.emitted   # nothing sent yet (a sent finish is sent with a count)
         detok = self.tokenizer is not None and p.detokenize
         comps = []
         for i, s in enumerate(req.samples):
@@ -151,24 +151,21 @@ class OutputProcessor:
                 continue
             ids = s.token_ids[s.num_prompt_tokens + start:s.num_prompt_tokens + known]
             req.emitted[key] = known
-            # Without detokenize, text is empty but for a sample a stop string ended: its
-            # whole (cut) text, as in a CUMULATIVE output.
-            text = "" if detok or not done else req.texts.get(key, "")
             if detok:
                 streamed = req.streamed_texts.get(key)
                 if streamed is None:
                     streamed = req.streamed_texts[key] = StreamedText(self.tokenizer, p.stop)
                 text = streamed.finish(ids, req.texts.get(key)) if done else streamed.push(ids)
-            hidden = RequestFeatures.hidden_states_of(req.features, s)
-            if hidden is not None:
-                hidden = {layer: h[start:known] for layer, h in hidden.items()}
+            else:   # no text, but a sample a stop string ended brings its whole (cut) text
+                text = req.texts.get(key, "") if done else ""   # with its end, as CUMULATIVE
             if done:
                 req.finish_emitted.add(key)
             comps.append(CompletionOutput(
                 index=i, text=text, token_ids=ids, cumulative_logprob=s.cumulative_logprob,
                 logprobs=req.logprobs.get(key, [])[start:known] if p.logprobs is not None else None,
                 finish_reason=(s.finish_reason or "abort") if done else None,
-                stop_reason=s.stop_reason if done else None, hidden_states=hidden))
+                stop_reason=s.stop_reason if done else None,
+                hidden_states=RequestFeatures.hidden_states_of(req.features, s, start, known)))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps,
                              req.aborted or req.finished, req.num_cached_tokens or 0, req.timing,
                              self._prompt_logprobs(req) if first else None)

@@ -264,12 +264,15 @@ class RequestFeatures:
 
     # ---- outputs -----------------------------------------------------------------------------
     @staticmethod
-    def hidden_states_of(state: FeatureState | None, seq: Any) -> dict[int, np.ndarray] | None:
-        """{layer: [generated tokens, hidden]} for a sample, if asked for."""
+    def hidden_states_of(state: FeatureState | None, seq: Any, start: int = 0,
+                         stop: int | None = None) -> dict[int, np.ndarray] | None:
+        """{layer: [generated tokens, hidden]} for a sample, if asked for; of its generated
+        tokens `start:stop` only (a DELTA output stacks just its new rows)."""
         if state is None or state.params.return_hidden_states is None or state.encode is not None:
             return None
-        rows = state.hidden.get(seq.seq_id, [])
-        width = rows[0].shape[-1] if rows else 0
+        all_rows = state.hidden.get(seq.seq_id, [])
+        width = all_rows[0].shape[-1] if all_rows else 0
+        rows = all_rows[start:stop]
         stacked = np.stack(rows) if rows else np.zeros((0, len(state.params.return_hidden_states), width))
         return {layer: stacked[:, i] for i, layer in enumerate(state.params.return_hidden_states)}
 
