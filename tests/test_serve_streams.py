@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 import socket
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -16,7 +18,7 @@ from paxkv.outputs import CompletionOutput, RequestOutput
 from paxkv.sampling_params import SamplingParams
 from paxkv.serve.ipc import Channel, EngineState, FrameBuffer, frame
 from paxkv.serve.metrics import ServerMetrics
-from paxkv.serve.streams import OutputRows, RequestStream, SampleDelta, Update
+from paxkv.serve.streams import OutputRows, RequestStream, SampleDelta, Update, step_engine
 from paxkv.tokenizer import load_tokenizer
 from serve_helpers import ROOT
 
@@ -145,6 +147,30 @@ def test_delta_rows_end_each_sample_when_it_ends(tok):
         assert finishes[1] == ("stop" if k >= ends_at else None)
         assert cut.startswith(texts[1])            # never a character of the stop string
     assert texts == [tok.decode(ids[0]), cut] and finishes == ["length", "stop"]
+
+
+def test_step_engine_fails_what_is_in_flight_and_keeps_serving(caplog):
+    class Engine:
+        def __init__(self, error=None):
+            self.error = error
+            self.metrics = types.SimpleNamespace(steps=["a step's stats"])
+
+        def step(self):
+            if self.error:
+                raise self.error
+            return ["out"]
+
+    failed = []
+    log = logging.getLogger("paxkv.serve.test")
+    good = Engine()
+    outs, step_s = step_engine(good, failed.append, log)
+    assert outs == ["out"] and step_s >= 0.0 and good.metrics.steps == [] and failed == []
+    bad = Engine(RuntimeError("boom"))
+    with caplog.at_level(logging.ERROR, logger="paxkv.serve.test"):
+        assert step_engine(bad, failed.append, log) is None
+    assert failed == ["engine step failed: boom"]
+    assert "engine step failed" in caplog.text
+    assert bad.metrics.steps == ["a step's stats"]   # nothing stepped, nothing dropped
 
 
 def test_merged_updates_concatenate_per_choice():

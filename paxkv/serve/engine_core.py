@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from paxkv.engine.llm_engine import Intake
 from paxkv.sampling_params import RequestOutputKind
 from paxkv.serve.ipc import Channel, EngineInfo, EngineState
-from paxkv.serve.streams import OutputRows
+from paxkv.serve.streams import OutputRows, step_engine
 
 logger = logging.getLogger("paxkv.serve.engine")
 
@@ -77,18 +77,13 @@ class EngineCore:
                 if msgs or self.idle_s >= _IDLE_REPORT_S:   # aborts emptied it: say so
                     self._send_step([], 0.0, 0.0)
                 continue
-            t1 = time.perf_counter()
-            try:
-                outs = engine.step()
-            except Exception as e:   # an engine bug: fail what is in flight, keep serving
-                logger.exception("engine step failed")
-                self._fail_all(f"engine step failed: {e}")
+            stepped = step_engine(engine, self._fail_all, logger)
+            if stepped is None:
                 continue
+            outs, step_s = stepped
             t2 = time.perf_counter()
             rows = self.rows.rows(outs)
-            t3 = time.perf_counter()
-            self._send_step(rows, t2 - t1, t3 - t2)
-            engine.metrics.steps.clear()   # a server runs for days; the history is for offline runs
+            self._send_step(rows, step_s, time.perf_counter() - t2)
 
     def _apply(self, cmd: tuple) -> None:
         engine = self.engine

@@ -24,7 +24,7 @@ from paxkv.sampling_params import RequestOutputKind, SamplingParams
 from paxkv.serve.handle import EngineHandle
 from paxkv.serve.ipc import EngineInfo, EngineState
 from paxkv.serve.metrics import ServerMetrics
-from paxkv.serve.streams import OutputRows, RequestStream, Update
+from paxkv.serve.streams import OutputRows, RequestStream, Update, step_engine
 
 logger = logging.getLogger("paxkv.serve")
 
@@ -79,13 +79,10 @@ class EngineLoop(EngineHandle):
                 if not engine.has_unfinished_requests():
                     self.metrics.observe_state(EngineState.of(engine))   # after aborts
                     continue
-                t0 = time.perf_counter()
-                try:
-                    outs = engine.step()
-                except Exception as e:   # an engine bug: fail what is in flight, keep serving
-                    logger.exception("engine step failed")
-                    self._fail_all(f"engine step failed: {e}")
+                stepped = step_engine(engine, self._fail_all, logger)
+                if stepped is None:
                     continue
+                outs, step_s = stepped
                 t1 = time.perf_counter()
                 now = time.monotonic()
                 batch = []
@@ -99,9 +96,7 @@ class EngineLoop(EngineHandle):
                 t2 = time.perf_counter()
                 if batch:
                     self._loop.call_soon_threadsafe(_deliver, batch)
-                self.metrics.observe_step(EngineState.of(engine), step_s=t1 - t0, process_s=t2 - t1)
-                # The engine keeps one StepStats per step for offline summaries; a server runs for days.
-                engine.metrics.steps.clear()
+                self.metrics.observe_step(EngineState.of(engine), step_s=step_s, process_s=t2 - t1)
         except BaseException as e:  # noqa: BLE001 - report, never die silently
             self.fatal = e
             logger.exception("engine loop died")

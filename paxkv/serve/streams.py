@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 from paxkv.engine.detokenizer import StreamedText
 from paxkv.outputs import RequestOutput
@@ -87,6 +88,24 @@ class EngineError(RuntimeError):
 
 
 # ---- engine half ------------------------------------------------------------------------------
+def step_engine(engine: Any, fail_all: Callable[[str], None],
+                log: logging.Logger) -> tuple[list[RequestOutput], float] | None:
+    """One `engine.step()` as a server makes it (engine process and engine thread alike):
+    (outputs, seconds). An engine bug is logged and fails what is in flight (`fail_all`), and
+    the server keeps serving: None. The engine's per-step history is dropped: it is for
+    offline summaries, and a server runs for days."""
+    t0 = time.perf_counter()
+    try:
+        outs = engine.step()
+    except Exception as e:   # noqa: BLE001 - an engine bug: fail what is in flight
+        log.exception("engine step failed")
+        fail_all(f"engine step failed: {e}")
+        return None
+    step_s = time.perf_counter() - t0
+    engine.metrics.steps.clear()
+    return outs, step_s
+
+
 @dataclasses.dataclass
 class _Sent:
     key: int
