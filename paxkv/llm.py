@@ -8,8 +8,8 @@ import logging
 import os
 from typing import Any, Sequence
 
-from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype,
-                          runner_config)
+from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_batch_limits,
+                          resolve_dtype, runner_config)
 from paxkv.engine.beam_search import BeamSearchOutput, run_beam_search
 from paxkv.engine.llm_engine import LLMEngine, Prompt
 from paxkv.engine.request_features import POOLINGS, EncodeSpec, RequestFeatures
@@ -46,7 +46,7 @@ class LLM:
 
     def __init__(self, model: str | ModelConfig = "tiny", *, dtype: str = "auto", block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, kv_cache_dtype: str = "auto",
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", swap_space: float = 4.0,
@@ -64,6 +64,10 @@ class LLM:
         cache directory; None or "off": no cache; see `paxkv/runner/compile_cache.py`).
         `precompile`: compile every step shape of a plain workload now, so that requests
         arriving over time never wait on a compilation (GPU only; `paxkv/runner/precompile.py`).
+
+        `max_num_seqs` / `max_num_batched_tokens`: None takes vLLM's defaults for the
+        device, 1024 / 16384 on an accelerator of H100 / H200 size, else 256 / 8192
+        (`config.default_batch_limits`).
 
         `tensor_parallel_size` > 1 splits weights and KV pool over that many devices; the
         `distributed_*` arguments join several processes (hosts) into one engine (README:
@@ -85,10 +89,14 @@ class LLM:
 
         from paxkv.runner import Runner
         from paxkv.runner.compile_cache import enable_compilation_cache
-        from paxkv.runner.memory import block_bytes_per_device, num_kv_blocks, num_swap_blocks
+        from paxkv.runner.memory import (block_bytes_per_device, device_memory_stats, num_kv_blocks,
+                                         num_swap_blocks)
 
         platform = jax.default_backend()
         multi_process = jax.process_count() > 1
+        device_bytes = device_memory_stats().get("bytes_limit") if platform == "gpu" else None
+        max_num_seqs, max_num_batched_tokens = default_batch_limits(
+            max_num_seqs, max_num_batched_tokens, platform, device_bytes)
         if not isinstance(precompile, bool):
             raise TypeError(f"precompile must be a bool, got {precompile!r}")
         if precompile and platform != "gpu":

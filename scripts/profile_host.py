@@ -5,13 +5,25 @@ Python (the real packing into the transfer buffer and the real unpacking of the 
 only the jitted step and the device transfers are skipped). The workload is the
 benchmark's steady state: `--batch` sequences of 512 prompt tokens decoding together.
 
+`--device` runs the same workload on the real runner instead (random weights of `--model`
+on the accelerator), so the step also pays JAX's dispatch, the transfers and the wait for
+the device, and after the timed steps the last step's program is dispatched back to back
+(no engine work between calls, so the device never waits on the host) to measure what
+the device alone needs per step: the engine step's exposed host share is 1 - that / the
+median engine step. `--cprofile N` prints the N functions with the most own time over the timed
+steps, which splits the host's share of a real step between the engine and JAX.
+
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --num_scheduler_steps 1
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --num_scheduler_steps 8
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --server_outputs   # as in serving
     PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --server_outputs --output_kind cumulative
+    PYTHONPATH=. python3 scripts/profile_host.py --batch 256 --device --cprofile 40   # on a GPU
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 
 import numpy as np
@@ -32,6 +44,10 @@ flags.DEFINE_bool("server_outputs", False, "as `paxkv serve`'s engine process: e
                   "each changed request's output and turns it into streamed rows")
 flags.DEFINE_enum("output_kind", "delta", ["delta", "cumulative"],
                   "with --server_outputs: the RequestOutputKind of the streamed requests")
+flags.DEFINE_bool("device", False, "run on the real runner and device instead of the stub")
+flags.DEFINE_string("model", "llama3-8b", "with --device: the preset (random weights)")
+flags.DEFINE_integer("cprofile", 0, "print this many functions by own time over the timed steps")
+flags.DEFINE_integer("back_to_back", 50, "with --device: repetitions of the last step's program")
 
 
 class StubRunner(Runner):
@@ -74,13 +90,29 @@ class StubRunner(Runner):
         return self._stub(items, rows, num_steps)
 
 
+def back_to_back_ms(runner: Runner, items, rows) -> float:
+    """Device time per step of one step's program: dispatched FLAGS.back_to_back times with
+    no engine work between, the last one waited for (they run in order on the device)."""
+    runner.fetch(runner.dispatch(items, rows))
+    t = time.perf_counter()
+    for _ in range(FLAGS.back_to_back):
+        pending = runner.dispatch(items, rows)
+    runner.fetch(pending)
+    return 1e3 * (time.perf_counter() - t) / FLAGS.back_to_back
+
+
 def main(argv: list[str]) -> None:
     del argv
-    cfg = PRESETS["llama3-8b"]
-    sched = SchedulerConfig(max_num_seqs=FLAGS.batch, max_num_batched_tokens=8192, max_model_len=2048)
-    config = EngineConfig(cfg, CacheConfig(block_size=16, num_gpu_blocks_override=40000), sched,
-                          num_scheduler_steps=FLAGS.num_scheduler_steps).with_pool(40000)
-    engine = LLMEngine(config, StubRunner(runner_config(config, platform="gpu")), None)
+    if FLAGS.device:
+        from paxkv import LLM
+        engine = LLM(FLAGS.model, tokenizer=None, max_num_seqs=FLAGS.batch, max_model_len=2048,
+                     num_scheduler_steps=FLAGS.num_scheduler_steps).llm_engine
+    else:
+        cfg = PRESETS["llama3-8b"]
+        sched = SchedulerConfig(max_num_seqs=FLAGS.batch, max_num_batched_tokens=8192, max_model_len=2048)
+        config = EngineConfig(cfg, CacheConfig(block_size=16, num_gpu_blocks_override=40000), sched,
+                              num_scheduler_steps=FLAGS.num_scheduler_steps).with_pool(40000)
+        engine = LLMEngine(config, StubRunner(runner_config(config, platform="gpu")), None)
     rng = np.random.default_rng(0)
     streams = OutputRows()
     delta = FLAGS.server_outputs and FLAGS.output_kind == "delta"
@@ -92,8 +124,21 @@ def main(argv: list[str]) -> None:
         streams.track(str(i), i, stream=True, delta=delta)
     while engine.scheduler.num_waiting:
         engine.step(only_finished=True)
+    for _ in range(3):   # the decode buckets' first calls (compilations on a device)
+        engine.step(only_finished=not FLAGS.server_outputs)
+    last_call: list = []
+    if FLAGS.device:   # keep the last step's work to time its program alone afterwards
+        dispatch = engine.runner.dispatch
+
+        def recording_dispatch(items, rows, fill_masks=None):
+            last_call[:] = [items, rows]
+            return dispatch(items, rows, fill_masks)
+        engine.runner.dispatch = recording_dispatch
     first = len(engine.metrics.steps)
     durations, rows_s = [], []
+    profiler = cProfile.Profile() if FLAGS.cprofile else None
+    if profiler is not None:
+        profiler.enable()
     for _ in range(FLAGS.calls):
         t = time.perf_counter()
         outs = engine.step(only_finished=not FLAGS.server_outputs)
@@ -102,6 +147,8 @@ def main(argv: list[str]) -> None:
             t = time.perf_counter()
             streams.rows(outs)
             rows_s.append(time.perf_counter() - t)
+    if profiler is not None:
+        profiler.disable()
     elapsed = sum(durations)
     tokens = sum(s.num_decode_tokens for s in engine.metrics.steps[first:])
     per_token_step = elapsed / (tokens / FLAGS.batch)
@@ -111,8 +158,21 @@ def main(argv: list[str]) -> None:
           f"{1e3 * elapsed / FLAGS.calls:.2f} ms per engine step, "
           f"{1e3 * per_token_step:.2f} ms of host Python per decode step of the batch, "
           f"median engine step {1e3 * float(np.median(durations)):.2f} ms")
+    steps = engine.metrics.steps[first:]
+    device_wait = sum(s.device_s for s in steps)
+    print(f"of which waiting for the device: {1e3 * device_wait / FLAGS.calls:.2f} ms per engine step "
+          f"({'real device' if FLAGS.device else 'stub'})")
     if FLAGS.server_outputs:
         print(f"streamed rows from the outputs: median {1e3 * float(np.median(rows_s)):.2f} ms per step")
+    if FLAGS.device and last_call:
+        device_ms = back_to_back_ms(engine.runner, *last_call)
+        median = 1e3 * float(np.median(durations))
+        print(f"the last step's program back to back: {device_ms:.2f} ms per step (the device alone); "
+              f"median engine step {median:.2f} ms; exposed host share {max(0.0, 1 - device_ms / median):.3f}")
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("tottime").print_stats(FLAGS.cprofile)
+        print(text.getvalue())
 
 
 if __name__ == "__main__":

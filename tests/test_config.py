@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from paxkv.config import (PRESETS, PROFILE_NUM_BLOCKS, CacheConfig, EngineConfig, SchedulerConfig,
-                          runner_config)
+                          default_batch_limits, runner_config)
 
 TINY = PRESETS["tiny-random"]   # max_position_embeddings 2048
 
@@ -91,3 +91,41 @@ def test_pool_that_holds_one_sequence_is_accepted():
     engine = _engine(CacheConfig(block_size=16), SchedulerConfig(max_model_len=64)).with_pool(5)
     assert engine.cache.num_gpu_blocks == 5
     assert dataclasses.replace(engine.cache, num_gpu_blocks=None).num_gpu_blocks is None
+
+
+@pytest.mark.parametrize("platform, device_bytes, expected", [
+    ("gpu", 105 * 2**30, (1024, 16384)),    # an H200 under JAX's default memory fraction
+    ("gpu", 60 * 2**30, (1024, 16384)),     # an 80 GB card under JAX's default memory fraction
+    ("gpu", 30 * 2**30, (256, 8192)),       # a 40 GB card
+    ("gpu", None, (256, 8192)),             # no allocator figures
+    ("cpu", 10**15, (256, 8192)),           # host memory never counts
+])
+def test_default_batch_limits_follow_the_device(platform, device_bytes, expected):
+    assert default_batch_limits(None, None, platform, device_bytes) == expected
+
+
+def test_default_batch_limits_keep_what_was_given():
+    assert default_batch_limits(64, None, "gpu", 105 * 2**30) == (64, 16384)
+    assert default_batch_limits(None, 2048, "gpu", 105 * 2**30) == (1024, 2048)
+    assert default_batch_limits(8, 100, "cpu", None) == (8, 100)
+
+
+def test_llm_on_cpu_takes_the_small_limits():
+    """The CPU demo's defaults stay where they were (LLM resolves None before the scheduler)."""
+    from paxkv import LLM
+    llm = LLM("tiny", tokenizer=None)
+    try:
+        assert (llm.config.scheduler.max_num_seqs, llm.config.scheduler.max_num_batched_tokens) == (256, 8192)
+    finally:
+        llm.shutdown()
+
+
+def test_server_steps_keep_vllms_token_budget():
+    """`paxkv serve` fills in 8192 tokens per step when no flag gives one, on every device,
+    and leaves the batch size to LLM's rule."""
+    from paxkv.serve import cli
+    parser, names = cli.build_parser()
+    args = cli.engine_arguments(parser.parse_args(["tiny"]), names)
+    assert args["max_num_batched_tokens"] == 8192 and args["max_num_seqs"] is None
+    args = cli.engine_arguments(parser.parse_args(["tiny", "--max-num-batched-tokens", "512"]), names)
+    assert args["max_num_batched_tokens"] == 512

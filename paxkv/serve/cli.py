@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from paxkv.config import SERVER_MAX_NUM_BATCHED_TOKENS
+
 logger = logging.getLogger("paxkv.serve")
 
 # LLM arguments that are not engine settings a flag can carry.
@@ -38,8 +40,10 @@ _HELP = {
     "block_size": "tokens per KV block",
     "gpu_memory_utilization": "share of device memory for weights, activations and the KV pool",
     "num_gpu_blocks_override": "fix the number of KV blocks instead of profiling memory",
-    "max_num_seqs": "sequences in the running batch at most",
-    "max_num_batched_tokens": "tokens per engine step at most",
+    "max_num_seqs": "sequences in the running batch at most (None: 1024 on a GPU of H100 / H200 "
+                    "size, else 256)",
+    "max_num_batched_tokens": f"tokens per engine step at most (None: {SERVER_MAX_NUM_BATCHED_TOKENS} "
+                              "for the server)",
     "max_model_len": "longest sequence (prompt + output); default: the model's, capped at 8192",
     "kv_cache_dtype": "KV page storage dtype (8-bit ones store per-token scales)",
     "enable_prefix_caching": "share KV blocks of identical prompt prefixes",
@@ -115,6 +119,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     return parser, names
 
 
+def engine_arguments(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The LLM keywords of the parsed flags; the step's token budget, when no flag sets it, is
+    vLLM's server value (SERVER_MAX_NUM_BATCHED_TOKENS) rather than LLM's own default."""
+    engine_args = {n: getattr(args, n) for n in names}
+    if engine_args.get("max_num_batched_tokens") is None:
+        engine_args["max_num_batched_tokens"] = SERVER_MAX_NUM_BATCHED_TOKENS
+    return engine_args
+
+
 class _TimedSelector(selectors.DefaultSelector):
     """The event loop's selector, counting the time the loop spends *outside* select():
     the frontend's own work (HTTP parsing, handlers, JSON, SSE writes)."""
@@ -146,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     served = args.served_model_name or [args.model]
     metrics = ServerMetrics(served[0])
-    engine_args = {n: getattr(args, n) for n in names}
+    engine_args = engine_arguments(args, names)
     logger.info("loading %s with %s (%s)", args.model, engine_args,
                 "engine process" if args.engine_process else "engine thread")
     try:
