@@ -3,7 +3,7 @@
 Two processes, vLLM V1's shape. The frontend (this process: uvicorn, FastAPI, request checks,
 tokenization, chat templates, incremental detokenization, SSE) never imports JAX; the engine
 process (`engine_core.py`) owns the `LLM` and steps it continuously. One socket pair joins
-them (`ipc.py`): commands go out batched, one frame per event-loop turn; results come back as
+them (`ipc.py`): each command goes out as its own frame at once; results come back as
 one frame per engine step, read by an asyncio protocol on the event loop, so the frontend has
 no thread of its own and the engine's Python never waits for the frontend's GIL.
 
@@ -96,7 +96,6 @@ class EngineClient(EngineHandle):
         self._sock = sock
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, RequestStream] = {}
-        self._outbox: list[tuple] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.on_fatal: Callable[[], None] | None = None
@@ -127,7 +126,6 @@ class EngineClient(EngineHandle):
         if self._transport is not None and self.fatal is None and not self._stopping:
             self._stopping = True
             self._send(("shutdown",))
-            self._flush()
             deadline = time.monotonic() + 5.0
             while self._transport.get_write_buffer_size() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -155,14 +153,12 @@ class EngineClient(EngineHandle):
 
     # ---- the wire -------------------------------------------------------------------------------
     def _send(self, cmd: tuple) -> None:
-        if not self._outbox:   # one frame per event-loop turn, however many requests came
-            self._loop.call_soon(self._flush)
-        self._outbox.append(cmd)
-
-    def _flush(self) -> None:
-        if self._outbox and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame(self._outbox))
-        self._outbox = []
+        """Write one command now. Batching them per event-loop turn (as before) held a
+        burst's first request back until the loop had run every other ready handler of the
+        burst, each milliseconds of HTTP parsing and checks, while the engine had nothing to
+        do; a frame per command costs microseconds."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame([cmd]))
 
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
