@@ -72,15 +72,12 @@ def default_pages_per_compute_block(block_size: int) -> int:
 def unsupported(q, k_pages, k_scale, pages_per_compute_block: int, block_q: int | None,
                 interpret: bool) -> str:
     """Why this kernel cannot take these inputs ("" when it can)."""
-    why = mosaic_decode.unsupported(q, k_pages, k_scale, "blocks_first",
-                                    pages_per_compute_block, interpret)
-    if why:
-        return why
     group = q.shape[1] // k_pages.shape[2]
     if block_q is not None and not 1 <= block_q * group <= Q_TILE_ROWS:
         return (f"block_q {block_q} x group {group} rows (1..{Q_TILE_ROWS}: one wgmma tile; "
                 f"default {default_block_q(group)})")
-    return ""
+    return mosaic_decode.unsupported(q, k_pages, k_scale, "blocks_first",
+                                     pages_per_compute_block, interpret)
 
 
 def _prefill_kernel(seq_ref, pos_ref, end_ref, table_ref, q_ref, k_ref, v_ref, o_ref, q_smem,
