@@ -190,3 +190,18 @@ def test_auto_backend_reads_the_prefill_table(interpret):
     triton = ragged_paged_attention(q, k, v, tables, lens, cu, backend="triton",
                                     interpret=interpret)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(triton, np.float32))
+
+
+def test_default_tuning_fits_shared_memory():
+    budget = mosaic_decode.SHARED_MEMORY_BUDGET
+    for block_size in (8, 16, 32, 64, 128):
+        for head_dim in (64, 128, 256):
+            ppcb = mosaic_prefill.default_pages_per_compute_block(block_size, head_dim)
+            block_k = block_size * ppcb
+            assert block_k % 64 == 0                     # whole wgmma tiles
+            stages = mosaic_prefill.fit_num_stages(None, block_k, head_dim, 2)
+            assert stages >= 1
+            assert (stages * 2 * block_k + 2 * 64) * head_dim * 2 <= budget or stages == 1
+    assert mosaic_prefill.fit_num_stages(None, 128, 128, 2) == 2
+    assert mosaic_prefill.fit_num_stages(None, 128, 256, 2) == 1
+    assert mosaic_prefill.fit_num_stages(3, 128, 256, 2) == 3      # asked for: kept

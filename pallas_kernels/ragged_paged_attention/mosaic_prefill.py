@@ -64,9 +64,24 @@ def default_block_q(group: int) -> int:
     return max(1, Q_TILE_ROWS // group)
 
 
-def default_pages_per_compute_block(block_size: int) -> int:
-    """Pages per key block: 128 tokens (a multiple of wgmma's 64), at least one page."""
-    return max(1, 128 // block_size)
+def default_pages_per_compute_block(block_size: int, head_dim: int) -> int:
+    """Pages per key block: 128 tokens (a multiple of wgmma's 64), 64 above head_dim 128
+    (two stages of 128 x 256 K and V tiles would not fit beside the query and output tiles,
+    and the logits and the accumulator would not fit the registers); at least one page."""
+    return max(1, (128 if head_dim <= 128 else 64) // block_size)
+
+
+def fit_num_stages(requested: int | None, block_k: int, head_dim: int, itemsize: int) -> int:
+    """Pipeline depth: `requested`, else 2, lowered until the K/V stages and the query and
+    output tiles (both in the pages' dtype) fit `mosaic_decode.SHARED_MEMORY_BUDGET`."""
+    if requested is not None:
+        return requested
+    fixed = 2 * Q_TILE_ROWS * head_dim * itemsize
+    stages = 2
+    while (stages > 1 and stages * 2 * block_k * head_dim * itemsize + fixed
+           > mosaic_decode.SHARED_MEMORY_BUDGET):
+        stages -= 1
+    return stages
 
 
 def unsupported(q, k_pages, k_scale, pages_per_compute_block: int, block_q: int | None,

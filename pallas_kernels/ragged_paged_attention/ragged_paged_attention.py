@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import mosaic_decode, paging, tuning
+from pallas_kernels.paged_attention import paging, tuning
 from pallas_kernels.ragged_paged_attention import mosaic_prefill
 
 LOG2E = 1.4426950408889634
@@ -228,7 +228,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_q: query tokens per tile (default `128 // group` for Triton, `64 // group` for
         Mosaic GPU, whose tile is one 64-row wgmma; at least 1).
       pages_per_compute_block: pages per key block (default ~64 tokens for Triton, ~128 for
-        Mosaic GPU, where it must make a multiple of 64 tokens).
+        Mosaic GPU up to head_dim 128, where it must make a multiple of 64 tokens).
       num_warps, num_stages: launch parameters (Triton's stages default to 3, Mosaic GPU's to
         2, fewer where the K/V tiles would not fit in shared memory, as with 128- or 256-token
         pages); the Mosaic GPU kernel uses only the stages.
@@ -249,26 +249,25 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         scale = head_dim ** -0.5
     if backend not in tuning.BACKENDS:
         raise ValueError(f"backend must be one of {tuning.BACKENDS}, got {backend!r}")
-    if block_q is not None and block_q < 1:
-        raise ValueError(f"block_q must be >= 1, got {block_q}")
     mosaic_ppcb = pages_per_compute_block or mosaic_prefill.default_pages_per_compute_block(
-        block_size)
+        block_size, head_dim)
+    mosaic_bq = block_q or None
     if backend == "auto":
         backend = "triton" if interpret else tuning.prefill_backend(
             k_pages.dtype, block_tables.shape[0], block_tables.shape[1] * block_size)
         if backend == "mosaic" and mosaic_prefill.unsupported(
-                q, k_pages, k_scale, mosaic_ppcb, block_q, interpret):
+                q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret):
             backend = "triton"
     if backend == "mosaic":
-        why = mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, block_q, interpret)
+        why = mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret)
         if why:
             raise ValueError(f"backend='mosaic': {why}")
         return mosaic_prefill.prefill(
             q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, scale=float(scale),
             block_q=block_q or mosaic_prefill.default_block_q(group),
             pages_per_compute_block=mosaic_ppcb,
-            num_stages=mosaic_decode.fit_num_stages(num_stages, block_size * mosaic_ppcb,
-                                                    head_dim, jnp.dtype(k_pages.dtype).itemsize),
+            num_stages=mosaic_prefill.fit_num_stages(num_stages, block_size * mosaic_ppcb,
+                                                     head_dim, jnp.dtype(k_pages.dtype).itemsize),
             warp_specialized=(mosaic_prefill.WARP_SPECIALIZED if warp_specialized is None
                               else warp_specialized),
             interpret=interpret)
