@@ -10,8 +10,9 @@ kernels' default tuning (what the engine runs):
 - fp8 e4m3 and int8 pages with per-(token, head) bf16 scales: paxkv's Triton kernel with
   bf16 dot operands and with float16 ones (`dot_dtype`; the default is
   `tuning.default_dot_dtype`), against bf16 pages.
-Prefill: 8 x 2048 causal prompts, paxkv's ragged Triton kernel against cuDNN dense
-attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on the same tokens.
+Prefill: 8 x 2048 causal prompts, paxkv's ragged Triton kernel and its Mosaic GPU kernel
+(`backend="mosaic"`, default tuning and a few others) against cuDNN dense attention
+(`jax.nn.dot_product_attention(implementation="cudnn")`) on the same tokens.
 
 Every variant is checked against the fp32 jnp reference on the GPU before it is timed; a
 variant off by more than its tolerance is reported WRONG and the run exits non-zero.
@@ -63,6 +64,10 @@ TOL = 2e-2                      # bf16 outputs (and bf16 / fp16 probabilities) v
 # warpgroup): 64-token steps fit two blocks per SM; "ws" adds a producer warpgroup.
 MOSAIC_TUNINGS = ({}, {"warp_specialized": True},
                   {"pages_per_compute_block": 4, "num_stages": 2, "warp_specialized": True})
+# Mosaic GPU prefill tunings beside its default (64-row query tiles, 128-token key steps,
+# 2 stages, a producer warpgroup): one warpgroup, and 64-token steps with 3 stages.
+MOSAIC_PREFILL_TUNINGS = ({}, {"warp_specialized": False},
+                          {"pages_per_compute_block": 4, "num_stages": 3})
 FORMATS_8BIT = ("fp8", "int8")
 
 
@@ -75,6 +80,8 @@ def tuning_label(variant: dict) -> str:
         parts.append(f"n{variant['num_stages']}")
     if variant.get("warp_specialized"):
         parts.append("ws")
+    elif variant.get("warp_specialized") is False:
+        parts.append("1wg")
     return "".join(" " + p for p in parts)
 
 
@@ -169,6 +176,14 @@ def prefill_section(args, clock, results):
     fn = jax.jit(functools.partial(ragged_paged_attention, interpret=args.smoke))
     record(row, "ragged triton", fn, (q, k, v, tables, lens, cu), ref, args.smoke, flops,
            failures, "TFLOP/s")
+    if args.backend != "triton" and not (args.smoke and mosaic_decode.interpret_params() is None):
+        for variant in MOSAIC_PREFILL_TUNINGS:       # no Mosaic GPU interpret mode before 0.12
+            if clock.left() < 20:
+                break
+            fn = jax.jit(functools.partial(ragged_paged_attention, backend="mosaic",
+                                           interpret=args.smoke, **variant))
+            record(row, "ragged mosaic" + tuning_label(variant), fn,
+                   (q, k, v, tables, lens, cu), ref, args.smoke, flops, failures, "TFLOP/s")
     results["prefill"].append(row)
 
 

@@ -1,4 +1,5 @@
-"""Which decode kernel runs a shape when `backend="auto"`: measured winners, kept as data.
+"""Which decode / prefill kernel runs a shape when `backend="auto"`: measured winners, kept as
+data.
 
 Each row says: for pages of these dtypes, at batch and context (tokens per sequence, the
 block table's width) within these ranges, this backend was measured faster than the other
@@ -52,6 +53,12 @@ def default_dot_dtype(page_dtype, q_dtype) -> str | None:
     return DOT_DTYPES.get(jnp.dtype(page_dtype).name)
 
 
+# The ragged prefill kernels (`ragged_paged_attention`), rows as above with batch = sequences
+# and context = the block table's width in tokens. The Mosaic GPU prefill kernel has not been
+# measured on an H200 yet, so no shape picks it.
+PREFILL_WINNERS: tuple[Winner, ...] = ()
+
+
 def decode_backend(page_dtype, batch: int, context: int,
                    table: tuple[Winner, ...] = DECODE_WINNERS) -> str:
     """The backend `auto` picks for decode over pages of `page_dtype`."""
@@ -60,3 +67,9 @@ def decode_backend(page_dtype, batch: int, context: int,
         if row.matches(name, batch, context):
             return row.backend
     return "triton"
+
+
+def prefill_backend(page_dtype, num_seqs: int, context: int,
+                    table: tuple[Winner, ...] = PREFILL_WINNERS) -> str:
+    """The backend `auto` picks for a ragged prefill batch over pages of `page_dtype`."""
+    return decode_backend(page_dtype, num_seqs, context, table)

@@ -6,6 +6,9 @@ attends to every key at a position `<=` its own; the new tokens' K/V are already
 pages (the model writes before it attends), so cached context and the causal part of the
 chunk are read the same way, through the block table.
 
+A Mosaic GPU (Hopper) variant in `mosaic_prefill.py` sits behind the same
+`ragged_paged_attention(..., backend=...)`.
+
 Structure: `_ragged_kernel` (one program = one tile of `block_q` query tokens of one
 sequence x one KV head) -> `_ragged_call` (work list, grid, BlockSpecs) ->
 `ragged_paged_attention` (public, jitted, static tuning arguments).
@@ -33,7 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import paging
+from pallas_kernels.paged_attention import paging, tuning
+from pallas_kernels.ragged_paged_attention import mosaic_prefill
 
 LOG2E = 1.4426950408889634
 
@@ -200,14 +204,17 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, k_
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_q", "pages_per_compute_block", "num_warps", "num_stages", "interpret"))
+    "scale", "block_q", "pages_per_compute_block", "num_warps", "num_stages", "backend",
+    "warp_specialized", "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array,
                            cu_q_lens: jax.Array, k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None, *, scale: float | None = None,
                            block_q: int | None = None,
                            pages_per_compute_block: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                           num_stages: int | None = None, backend: str = "auto",
+                           warp_specialized: bool | None = None,
+                           interpret: bool = False) -> jax.Array:
     """Causal attention of a ragged batch of new tokens over their sequences' paged KV.
 
     Args:
@@ -218,11 +225,20 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         write); cu_q_lens: int32 `[S + 1]`, `cu_q_lens[0] == 0`, nondecreasing.
       k_scale, v_scale: optional per-token scales `[num_blocks, block_size, kv_heads]`.
       scale: softmax scale (default `head_dim ** -0.5`).
-      block_q: query tokens per tile (default `128 // group`, at least 1).
-      pages_per_compute_block: pages per key block (default ~64 tokens).
-      num_warps, num_stages: Triton launch parameters (stages default to 3, fewer where the
-        K/V tiles would not fit in shared memory, as with 128- or 256-token pages).
-      interpret: Pallas interpret mode (CPU tests).
+      block_q: query tokens per tile (default `128 // group` for Triton, `64 // group` for
+        Mosaic GPU, whose tile is one 64-row wgmma; at least 1).
+      pages_per_compute_block: pages per key block (default ~64 tokens for Triton, ~128 for
+        Mosaic GPU up to head_dim 128, where it must make a multiple of 64 tokens).
+      num_warps, num_stages: launch parameters (Triton's stages default to 3, Mosaic GPU's to
+        2, fewer where the K/V tiles would not fit in shared memory, as with 128- or 256-token
+        pages); the Mosaic GPU kernel uses only the stages.
+      backend: "triton" (Pallas' Triton lowering; every page dtype), "mosaic" (Pallas Mosaic
+        GPU, Hopper: TMA + wgmma; bf16/fp16 pages, head_dim a multiple of 64) or "auto" (per
+        shape from the measured winners in `tuning.PREFILL_WINNERS`; Triton elsewhere, and
+        always in interpret mode).
+      warp_specialized: Mosaic GPU only: one producer warpgroup issuing the TMA copies
+        beside the compute warpgroup (default `mosaic_prefill.WARP_SPECIALIZED`).
+      interpret: Pallas interpret mode (CPU tests; Mosaic GPU needs JAX >= 0.12).
     Returns:
       `[T, q_heads, head_dim]` in `q.dtype`; rows past `cu_q_lens[-1]` are zeros.
     """
@@ -231,6 +247,31 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     group = num_heads // num_kv_heads
     if scale is None:
         scale = head_dim ** -0.5
+    if backend not in tuning.BACKENDS:
+        raise ValueError(f"backend must be one of {tuning.BACKENDS}, got {backend!r}")
+    mosaic_ppcb = pages_per_compute_block or mosaic_prefill.default_pages_per_compute_block(
+        block_size, head_dim)
+    mosaic_bq = block_q or None
+    if backend == "auto":
+        backend = "triton" if interpret else tuning.prefill_backend(
+            k_pages.dtype, block_tables.shape[0], block_tables.shape[1] * block_size)
+        if backend == "mosaic" and mosaic_prefill.unsupported(
+                q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret):
+            backend = "triton"
+    if backend == "mosaic":
+        why = mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret)
+        if why:
+            raise ValueError(f"backend='mosaic': {why}")
+        return mosaic_prefill.prefill(
+            q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, scale=float(scale),
+            block_q=block_q or mosaic_prefill.default_block_q(group),
+            pages_per_compute_block=mosaic_ppcb,
+            num_stages=mosaic_prefill.fit_num_stages(num_stages, block_size * mosaic_ppcb,
+                                                     head_dim, jnp.dtype(k_pages.dtype).itemsize),
+            warp_specialized=(mosaic_prefill.WARP_SPECIALIZED if warp_specialized is None
+                              else warp_specialized),
+            interpret=interpret)
+
     bq = block_q or default_block_q(group)
     if bq < 1:
         raise ValueError(f"block_q must be >= 1, got {bq}")
