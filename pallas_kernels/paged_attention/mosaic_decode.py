@@ -75,34 +75,12 @@ def interpret_params():
     return None if params is None else params()
 
 
-def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem,
-                   v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free, *,
-                   block_size: int, pages_per_compute_block: int, pages_per_split: int,
-                   num_stages: int, q_rows: int, scale: float, warp_specialized: bool,
-                   interpret: bool):
+def _page_copier(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, h, block_size: int):
+    """`issue(pages, slot, kv)`: TMA one loop step's K and/or V pages of KV head `h` (one
+    `[block_size, d]` box each) into stage `slot`, all arriving on that stage's barrier."""
     plgpu = _plgpu()
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    s = lax.axis_index("s")
-    ppcb = pages_per_compute_block
-    block_k = block_size * ppcb
-    length = lens_ref[b]
-    width = table_ref.shape[1]
-
-    first_page = s * pages_per_split
-    last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
-    num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), ppcb)
-    first_token = first_page * block_size
-    num_full = jnp.minimum(jnp.maximum(length - first_token, 0) // block_k, num_iters)
-
-    def page_ids(step):
-        """Pool pages of loop step `step` (clamped into the table: a step past the end is
-        never issued, but its ids may be read early)."""
-        return [table_ref[b, jnp.minimum(first_page + step * ppcb + j, width - 1)]
-                for j in range(ppcb)]
 
     def issue(pages, slot, kv=("k", "v")):
-        """TMA one step's K and/or V pages (one `[block_size, d]` box each) into `slot`."""
         for j, page in enumerate(pages):
             rows = pl.ds(j * block_size, block_size)
             if "k" in kv:
@@ -111,6 +89,15 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s
             if "v" in kv:
                 plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows],
                                         v_bar.at[slot])
+    return issue
+
+
+def _run_pipeline(consume, issue, page_ids, k_free, v_free, *, num_stages: int, num_iters,
+                  warp_specialized: bool) -> None:
+    """Fill the first `num_stages` stages and run `consume(k_free, v_free)`, the compute
+    warpgroup. Warp specialized, a producer warpgroup refills each stage once the consumer
+    has freed it; otherwise `consume(None, None)` refills the stages itself."""
+    plgpu = _plgpu()
 
     def prologue():
         for i in range(num_stages):                      # fill the pipeline
@@ -120,10 +107,7 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s
 
     if not warp_specialized:
         prologue()
-        _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue, q_ref,
-                 o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar,
-                 None, None, block_k=block_k, num_stages=num_stages, q_rows=q_rows,
-                 scale=scale, interpret=interpret)
+        consume(None, None)
         return
 
     wg = lax.axis_index("wg")
@@ -145,33 +129,14 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s
 
     @pl.when(wg == 0)
     def _consumer():
-        _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue, q_ref,
-                 o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar,
-                 k_free, v_free, block_k=block_k, num_stages=num_stages, q_rows=q_rows,
-                 scale=scale, interpret=interpret)
+        consume(k_free, v_free)
 
 
-def _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue, q_ref, o_ref,
-             lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
-             v_free, *, block_k: int, num_stages: int, q_rows: int, scale: float,
-             interpret: bool):
-    """The compute warpgroup: online softmax over the split's steps, then the output.
-
-    Without a producer warpgroup (`k_free is None`) it also refills each stage itself once
-    both products have read it; the step's page ids are loaded at its start, so their
-    latency hides behind the products."""
+def _tile_ops(q_smem, k_smem, v_smem, block_k: int, interpret: bool):
+    """The compute warpgroup's tile operations: `logits(slot)` (S = Q K^T), `add_pv(acc, p,
+    slot)` (O += P V), `iota(shape, axis)` and `init(shape, value)` in wgmma's register
+    layouts; plain dots and default layouts in interpret mode, which cannot run wgmma."""
     plgpu = _plgpu()
-    head_dim = q_smem.shape[-1]
-    dtype = q_smem.dtype
-    producer = k_free is not None
-
-    # Query rows past the group stay zero (finite logits, never stored).
-    q_smem[...] = jnp.zeros(q_smem.shape, dtype)
-    plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, q_rows)], q_bar.at[0])
-    plgpu.barrier_wait(q_bar.at[0])
-
-    qk_scale = scale * LOG2E
 
     def logits(slot):
         if interpret:
@@ -196,6 +161,94 @@ def _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue,
         if interpret:
             return lax.broadcasted_iota(jnp.int32, shape, axis)
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+    def init(shape, value):
+        x = jnp.full(shape, value, jnp.float32)
+        if interpret:
+            return x
+        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+        return plgpu.layout_cast(x, layout)
+
+    return logits, add_pv, iota, init
+
+
+def _pipeline_scratch(dtype, o_dtype, head_dim: int, block_k: int, num_stages: int,
+                      pages_per_compute_block: int, extra=()) -> list:
+    """Shared memory and barriers in the kernels' argument order: the query tile, the K and V
+    stages, the output tile, `extra`, then the query barrier, one barrier per K / V stage
+    (one arrival per page) and the stages' "free" barriers (warp specialized)."""
+    plgpu = _plgpu()
+    tile = _tile_transforms(dtype)
+    return [
+        plgpu.SMEM((Q_TILE_ROWS, head_dim), dtype, transforms=tile),
+        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
+        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
+        plgpu.SMEM((Q_TILE_ROWS, head_dim), o_dtype, transforms=_tile_transforms(o_dtype)),
+        *extra,
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),          # K stage free (warp specialized)
+        plgpu.Barrier(num_barriers=num_stages),          # V stage free
+    ]
+
+
+def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem,
+                   v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free, *,
+                   block_size: int, pages_per_compute_block: int, pages_per_split: int,
+                   num_stages: int, q_rows: int, scale: float, warp_specialized: bool,
+                   interpret: bool):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    s = lax.axis_index("s")
+    ppcb = pages_per_compute_block
+    block_k = block_size * ppcb
+    length = lens_ref[b]
+    width = table_ref.shape[1]
+
+    first_page = s * pages_per_split
+    last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
+    num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), ppcb)
+    first_token = first_page * block_size
+    num_full = jnp.minimum(jnp.maximum(length - first_token, 0) // block_k, num_iters)
+
+    def page_ids(step):
+        """Pool pages of loop step `step` (clamped into the table: a step past the end is
+        never issued, but its ids may be read early)."""
+        return [table_ref[b, jnp.minimum(first_page + step * ppcb + j, width - 1)]
+                for j in range(ppcb)]
+
+    issue = _page_copier(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, h, block_size)
+    consume = functools.partial(
+        _consume, b, h, s, length, num_iters, num_full, first_token, page_ids, issue, q_ref,
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar,
+        block_k=block_k, num_stages=num_stages, q_rows=q_rows, scale=scale, interpret=interpret)
+    _run_pipeline(consume, issue, page_ids, k_free, v_free, num_stages=num_stages,
+                  num_iters=num_iters, warp_specialized=warp_specialized)
+
+
+def _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue, q_ref, o_ref,
+             lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
+             v_free, *, block_k: int, num_stages: int, q_rows: int, scale: float,
+             interpret: bool):
+    """The compute warpgroup: online softmax over the split's steps, then the output.
+
+    Without a producer warpgroup (`k_free is None`) it also refills each stage itself once
+    both products have read it; the step's page ids are loaded at its start, so their
+    latency hides behind the products."""
+    plgpu = _plgpu()
+    head_dim = q_smem.shape[-1]
+    dtype = q_smem.dtype
+    producer = k_free is not None
+
+    # Query rows past the group stay zero (finite logits, never stored).
+    q_smem[...] = jnp.zeros(q_smem.shape, dtype)
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, q_rows)], q_bar.at[0])
+    plgpu.barrier_wait(q_bar.at[0])
+
+    qk_scale = scale * LOG2E
+    logits, add_pv, iota, init = _tile_ops(q_smem, k_smem, v_smem, block_k, interpret)
 
     def step(i, carry, masked: bool):
         acc, m, l = carry
@@ -234,13 +287,6 @@ def _consume(b, h, s, length, num_iters, num_full, first_token, page_ids, issue,
             def _():
                 issue(next_pages, slot)
         return acc, m_new, l
-
-    def init(shape, value):
-        x = jnp.full(shape, value, jnp.float32)
-        if interpret:
-            return x
-        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
-        return plgpu.layout_cast(x, layout)
 
     carry = (init((Q_TILE_ROWS, head_dim), 0.0), init((Q_TILE_ROWS,), -jnp.inf),
              init((Q_TILE_ROWS,), 0.0))
@@ -339,19 +385,9 @@ def decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float,
                     jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, rows), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), o_dtype)
-    tile = _tile_transforms(dtype)
-    scratch = [
-        plgpu.SMEM((Q_TILE_ROWS, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((Q_TILE_ROWS, head_dim), o_dtype, transforms=_tile_transforms(o_dtype)),
-        plgpu.SMEM((Q_TILE_ROWS,), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),          # K stage free (warp specialized)
-        plgpu.Barrier(num_barriers=num_stages),          # V stage free
-    ]
+    scratch = _pipeline_scratch(dtype, o_dtype, head_dim, block_k, num_stages,
+                                pages_per_compute_block,
+                                extra=[plgpu.SMEM((Q_TILE_ROWS,), jnp.float32)])
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         pages_per_split=pages_per_split, num_stages=num_stages, q_rows=rows, scale=scale,

@@ -304,16 +304,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"pages_per_compute_block must be a power of two with "
                          f"block_size * pages_per_compute_block >= 16, got {ppcb}")
     max_pages = block_tables.shape[1]
-    if backend == "auto":
-        backend = "triton" if interpret else tuning.decode_backend(
-            k_pages.dtype, batch, max_pages * block_size)
-        if backend == "mosaic" and mosaic_decode.unsupported(
-                q, k_pages, k_scale, pages_layout, ppcb, interpret):
-            backend = "triton"
-    if backend == "mosaic":
-        why = mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret)
-        if why:
-            raise ValueError(f"backend='mosaic': {why}")
+    backend = tuning.resolve_backend(
+        backend, interpret, lambda: tuning.decode_backend(k_pages.dtype, batch, max_pages * block_size),
+        lambda: mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret))
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")

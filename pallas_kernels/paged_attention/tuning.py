@@ -10,6 +10,7 @@ run the longest. Rows are tried in order; the first match wins.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 
@@ -73,3 +74,20 @@ def prefill_backend(page_dtype, num_seqs: int, context: int,
                     table: tuple[Winner, ...] = PREFILL_WINNERS) -> str:
     """The backend `auto` picks for a ragged prefill batch over pages of `page_dtype`."""
     return decode_backend(page_dtype, num_seqs, context, table)
+
+
+def resolve_backend(backend: str, interpret: bool, measured: Callable[[], str],
+                    why_not_mosaic: Callable[[], str]) -> str:
+    """"triton" or "mosaic" for a kernel call: "auto" takes the `measured` winner (Triton in
+    interpret mode, and where the Mosaic GPU kernel cannot take the inputs); an explicit
+    "mosaic" it cannot take is a ValueError giving `why_not_mosaic()`'s reason. Both are
+    called only when needed, and each at most once."""
+    if backend == "auto":
+        if interpret or measured() != "mosaic":
+            return "triton"
+        return "triton" if why_not_mosaic() else "mosaic"
+    if backend == "mosaic":
+        why = why_not_mosaic()
+        if why:
+            raise ValueError(f"backend='mosaic': {why}")
+    return backend

@@ -50,9 +50,11 @@ from pallas_kernels.paged_attention.mosaic_decode import (
     LOG2E,
     Q_TILE_ROWS,
     _cdiv,
+    _page_copier,
+    _pipeline_scratch,
     _plgpu,
-    _tile_transforms,
-    _transposed,
+    _run_pipeline,
+    _tile_ops,
     interpret_params,
 )
 
@@ -99,7 +101,6 @@ def _prefill_kernel(seq_ref, pos_ref, end_ref, table_ref, q_ref, k_ref, v_ref, o
                     k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free, *,
                     block_size: int, pages_per_compute_block: int, num_stages: int, group: int,
                     scale: float, warp_specialized: bool, interpret: bool):
-    plgpu = _plgpu()
     w = lax.axis_index("w")
     h = lax.axis_index("h")
     ppcb = pages_per_compute_block
@@ -116,52 +117,13 @@ def _prefill_kernel(seq_ref, pos_ref, end_ref, table_ref, q_ref, k_ref, v_ref, o
         never issued, but its ids may be read early)."""
         return [table_ref[seq, jnp.minimum(step * ppcb + j, width - 1)] for j in range(ppcb)]
 
-    def issue(pages, slot, kv=("k", "v")):
-        """TMA one step's K and/or V pages (one `[block_size, d]` box each) into `slot`."""
-        for j, page in enumerate(pages):
-            rows = pl.ds(j * block_size, block_size)
-            if "k" in kv:
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, h], k_smem.at[slot, rows],
-                                        k_bar.at[slot])
-            if "v" in kv:
-                plgpu.copy_gmem_to_smem(v_ref.at[page, :, h], v_smem.at[slot, rows],
-                                        v_bar.at[slot])
-
-    def prologue():
-        for i in range(num_stages):                      # fill the pipeline
-            @pl.when(i < num_iters)
-            def _():
-                issue(page_ids(i), i)
-
+    issue = _page_copier(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, h, block_size)
     consume = functools.partial(
         _consume, w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_ref, o_ref,
         q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, block_k=block_k,
         num_stages=num_stages, group=group, scale=scale, interpret=interpret)
-    if not warp_specialized:
-        prologue()
-        consume(None, None)
-        return
-
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 1)
-    def _producer():
-        prologue()
-
-        def refill(i, carry):
-            slot = lax.rem(i, num_stages)
-            pages = page_ids(i)
-            plgpu.barrier_wait(k_free.at[slot])          # the consumer is done with K
-            issue(pages, slot, ("k",))
-            plgpu.barrier_wait(v_free.at[slot])
-            issue(pages, slot, ("v",))
-            return carry
-
-        lax.fori_loop(num_stages, jnp.maximum(num_iters, num_stages), refill, 0)
-
-    @pl.when(wg == 0)
-    def _consumer():
-        consume(k_free, v_free)
+    _run_pipeline(consume, issue, page_ids, k_free, v_free, num_stages=num_stages,
+                                num_iters=num_iters, warp_specialized=warp_specialized)
 
 
 def _consume(w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_ref, o_ref,
@@ -179,30 +141,8 @@ def _consume(w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_re
     plgpu.copy_gmem_to_smem(q_ref.at[w, h], q_smem, q_bar.at[0])
     plgpu.barrier_wait(q_bar.at[0])
     qk_scale = scale * LOG2E
-
-    def logits(slot):
-        if interpret:
-            return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, _transposed(k_smem.at[slot]))
-            return acc_ref[...]
-        return pl.run_scoped(qk, plgpu.ACC((Q_TILE_ROWS, block_k), jnp.float32))
-
-    def add_pv(acc, p, slot):
-        if interpret:
-            return acc + lax.dot_general(p, v_smem[slot], (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-        return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-    def iota(shape, axis):
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, axis)
-        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+    logits, add_pv, iota, init = _tile_ops(q_smem, k_smem, v_smem, block_k,
+                                                         interpret)
 
     def step(i, carry, masked: bool):
         acc, m, l = carry
@@ -244,13 +184,6 @@ def _consume(w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_re
             def _():
                 issue(next_pages, slot)
         return acc, m_new, l
-
-    def init(shape, value):
-        x = jnp.full(shape, value, jnp.float32)
-        if interpret:
-            return x
-        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
-        return plgpu.layout_cast(x, layout)
 
     carry = (init((Q_TILE_ROWS, head_dim), 0.0), init((Q_TILE_ROWS,), -jnp.inf),
              init((Q_TILE_ROWS,), 0.0))
@@ -320,18 +253,8 @@ def prefill(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, *, scale
 
     table = jnp.pad(block_tables, ((0, 1), (0, 0)))     # the padding pseudo-sequence's row
     block_k = block_size * pages_per_compute_block
-    tile = _tile_transforms(dtype)
-    scratch = [
-        plgpu.SMEM((Q_TILE_ROWS, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tile),
-        plgpu.SMEM((Q_TILE_ROWS, head_dim), dtype, transforms=tile),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_compute_block, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),          # K stage free (warp specialized)
-        plgpu.Barrier(num_barriers=num_stages),          # V stage free
-    ]
+    scratch = _pipeline_scratch(dtype, dtype, head_dim, block_k, num_stages,
+                                              pages_per_compute_block)
     kernel = functools.partial(
         _prefill_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         num_stages=num_stages, group=group, scale=scale, warp_specialized=warp_specialized,

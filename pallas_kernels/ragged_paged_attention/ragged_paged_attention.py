@@ -252,16 +252,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     mosaic_ppcb = pages_per_compute_block or mosaic_prefill.default_pages_per_compute_block(
         block_size, head_dim)
     mosaic_bq = block_q or None
-    if backend == "auto":
-        backend = "triton" if interpret else tuning.prefill_backend(
-            k_pages.dtype, block_tables.shape[0], block_tables.shape[1] * block_size)
-        if backend == "mosaic" and mosaic_prefill.unsupported(
-                q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret):
-            backend = "triton"
+    backend = tuning.resolve_backend(
+        backend, interpret,
+        lambda: tuning.prefill_backend(k_pages.dtype, block_tables.shape[0],
+                                       block_tables.shape[1] * block_size),
+        lambda: mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret))
     if backend == "mosaic":
-        why = mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret)
-        if why:
-            raise ValueError(f"backend='mosaic': {why}")
         return mosaic_prefill.prefill(
             q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, scale=float(scale),
             block_q=block_q or mosaic_prefill.default_block_q(group),
