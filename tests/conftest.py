@@ -55,6 +55,24 @@ def interpret(on_gpu) -> bool:
 
 
 @pytest.fixture(scope="session")
+def interpret_mosaic(on_gpu) -> bool:
+    """For the Mosaic GPU kernels: False (compiled) on a Hopper GPU, True on the CPU where JAX
+    can interpret Mosaic GPU (from 0.12); skips elsewhere, with the reason."""
+    import jax
+
+    from pallas_kernels.paged_attention import mosaic_decode
+    if on_gpu:
+        cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+        if not cc.startswith("9"):
+            pytest.skip(f"the Mosaic GPU kernels target Hopper (sm_90), not sm_{cc}")
+        return False
+    if mosaic_decode.interpret_params() is None:
+        pytest.skip(f"Mosaic GPU has no CPU interpret mode in JAX {jax.__version__} (it has from "
+                    "0.12); these tests run compiled on a Hopper GPU with PAXKV_TEST_DEVICE=gpu")
+    return True
+
+
+@pytest.fixture(scope="session")
 def tiny_llm():
     """One LLM on the embedded model shared by the sampling tests (engine_helpers)."""
     from engine_helpers import shared_tiny_llm

@@ -266,7 +266,7 @@ def test_lru_eviction_order():
     b = make_seq(1, list(range(50, 59)))
     admit(bm, model, a)
     admit(bm, model, b)
-    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    a_blocks = list(a.block_table)
     bm.free(a)  # a's full blocks become evictable first (least recently used)
     bm.free(b)
     assert bm.num_cached_evictable_blocks == 4 and bm.num_free_blocks == 2

@@ -6,31 +6,16 @@ Compiled on a Hopper GPU (PAXKV_TEST_DEVICE=gpu); on the CPU in Mosaic GPU's int
 which JAX has from 0.12 (the products run as plain dots there; see `mosaic_decode`)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kernel_helpers import rel_err
-from pallas_kernels.paged_attention import mosaic_decode, paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_attention import tuning
 
 HEAD_DIM = 64                     # wgmma tiles: the Mosaic kernel takes multiples of 64
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
-
-
-@pytest.fixture(scope="module")
-def interpret_mosaic(on_gpu) -> bool:
-    """False (compiled) on a Hopper GPU, True on the CPU where JAX can interpret Mosaic GPU."""
-    if on_gpu:
-        cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-        if not cc.startswith("9"):
-            pytest.skip(f"the Mosaic GPU decode kernel targets Hopper (sm_90), not sm_{cc}")
-        return False
-    if mosaic_decode.interpret_params() is None:
-        pytest.skip(f"Mosaic GPU has no CPU interpret mode in JAX {jax.__version__} (it has from "
-                    "0.12); these tests run compiled on a Hopper GPU with PAXKV_TEST_DEVICE=gpu")
-    return True
 
 
 def make_case(seed, *, batch, q_heads, kv_heads, block_size, max_blocks, lens, dtype):

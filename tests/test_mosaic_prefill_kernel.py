@@ -7,12 +7,11 @@ Compiled on a Hopper GPU (PAXKV_TEST_DEVICE=gpu); on the CPU in Mosaic GPU's int
 which JAX has from 0.12 (the products run as plain dots there; see `mosaic_prefill`)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_helpers import rel_err
+from kernel_helpers import ragged_case, rel_err
 from pallas_kernels.paged_attention import mosaic_decode, tuning
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
@@ -24,40 +23,9 @@ HEAD_DIM = 64                     # wgmma tiles: the Mosaic kernel takes multipl
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
-@pytest.fixture(scope="module")
-def interpret_mosaic(on_gpu) -> bool:
-    """False (compiled) on a Hopper GPU, True on the CPU where JAX can interpret Mosaic GPU."""
-    if on_gpu:
-        cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-        if not cc.startswith("9"):
-            pytest.skip(f"the Mosaic GPU prefill kernel targets Hopper (sm_90), not sm_{cc}")
-        return False
-    if mosaic_decode.interpret_params() is None:
-        pytest.skip(f"Mosaic GPU has no CPU interpret mode in JAX {jax.__version__} (it has from "
-                    "0.12); these tests run compiled on a Hopper GPU with PAXKV_TEST_DEVICE=gpu")
-    return True
-
-
-def make_case(seed, *, q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens, dtype,
-              head_dim=HEAD_DIM):
-    """Fresh random pool; each sequence's pages are a random permutation of pool blocks, the
-    unused table entries the null block 0; `pad_tokens` rows after the last sequence."""
-    rng = np.random.default_rng(seed)
-    seqs = len(q_lens)
-    max_blocks = max(1, max(-(-c // block_size) for c in ctx_lens))
-    num_blocks = seqs * max_blocks + 2
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    tables = rng.permutation(np.arange(1, num_blocks))[: seqs * max_blocks]
-    tables = tables.reshape(seqs, max_blocks).astype(np.int32)
-    for s, c in enumerate(ctx_lens):
-        tables[s, -(-c // block_size):] = 0
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tokens = int(cu[-1]) + pad_tokens
-    q = jnp.asarray(rng.standard_normal((tokens, q_heads, head_dim)), dtype)
-    return (q, k, v, jnp.asarray(tables), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(cu),
-            int(cu[-1]))
+def make_case(seed, *, head_dim=HEAD_DIM, **case):
+    """`kernel_helpers.ragged_case` at the Mosaic kernel's head_dim."""
+    return ragged_case(seed, head_dim=head_dim, **case)
 
 
 def poison_past_lengths(k, v, tables, ctx_lens, block_size):

@@ -5,7 +5,6 @@ this also checks slot mapping, cu_q_lens, padding buckets and logits indices.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

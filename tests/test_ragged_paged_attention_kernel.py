@@ -13,38 +13,27 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from kernel_helpers import HEAD_DIM, TOL, rel_err
+from kernel_helpers import HEAD_DIM, TOL, ragged_case, rel_err
 from paxkv.model.attention import reference_attention
 from paxkv.model.batch import StepBatch
 
 
 
 def make_case(seed, *, q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens, dtype):
-    """Random pool; each sequence's pages are a random permutation of pool blocks."""
-    rng = np.random.default_rng(seed)
-    seqs = len(q_lens)
-    max_blocks = max(1, max(-(-c // block_size) for c in ctx_lens))
-    num_blocks = seqs * max_blocks + 2
-    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
-    k = rng.standard_normal(shape).astype(np.float32)
-    v = rng.standard_normal(shape).astype(np.float32)
-    tables = rng.permutation(np.arange(1, num_blocks))[: seqs * max_blocks]
-    tables = tables.reshape(seqs, max_blocks).astype(np.int32)
-    for s, c in enumerate(ctx_lens):
-        tables[s, -(-c // block_size):] = 0
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tokens = int(cu[-1]) + pad_tokens
-    q = rng.standard_normal((tokens, q_heads, HEAD_DIM)).astype(np.float32)
-    pos = np.zeros(tokens, np.int32)
-    for s in range(seqs):
+    """`kernel_helpers.ragged_case` with its metadata as the StepBatch the model builds."""
+    q, k, v, tables, lens, cu, real = ragged_case(
+        seed, q_lens=q_lens, ctx_lens=ctx_lens, q_heads=q_heads, kv_heads=kv_heads,
+        block_size=block_size, pad_tokens=pad_tokens, dtype=dtype)
+    pos = np.zeros(q.shape[0], np.int32)
+    for s in range(len(q_lens)):
         pos[cu[s]:cu[s + 1]] = ctx_lens[s] - q_lens[s] + np.arange(q_lens[s])
+    cu_np = np.asarray(cu)
     batch = StepBatch(
-        token_ids=jnp.zeros((tokens,), jnp.int32), positions=jnp.asarray(pos),
-        slot_mapping=jnp.zeros((tokens,), jnp.int32), block_tables=jnp.asarray(tables),
-        context_lens=jnp.asarray(ctx_lens, jnp.int32), cu_q_lens=jnp.asarray(cu),
-        logits_indices=jnp.asarray(np.maximum(cu[1:] - 1, 0), jnp.int32))
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), batch,
-            int(cu[-1]))
+        token_ids=jnp.zeros((q.shape[0],), jnp.int32), positions=jnp.asarray(pos),
+        slot_mapping=jnp.zeros((q.shape[0],), jnp.int32), block_tables=tables,
+        context_lens=lens, cu_q_lens=cu,
+        logits_indices=jnp.asarray(np.maximum(cu_np[1:] - 1, 0), jnp.int32))
+    return q, k, v, batch, real
 
 
 CASES = [
