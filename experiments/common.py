@@ -81,6 +81,10 @@ def define_serving_flags() -> None:
                         "A json this experiment wrote before at the same setting (a partial sweep): its "
                         "points are kept and not run again, the rest are run, and the extended json is "
                         "written to --out_dir. A missing file means nothing to resume.")
+    flags.DEFINE_string("resume_measured_since", None,
+                        "With --resume_from: keep only the points measured at or after this UTC time "
+                        "(YYYY-MM-DDTHH:MM:SSZ, as the json's measured_at), so that points from an "
+                        "older engine are measured again; points without a time are measured again too.")
     define_parallel_flags()
 
 

@@ -431,7 +431,8 @@ class SweepLog:
 
 
 def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
-                  point_fields: Sequence[str] = ()) -> list[dict[str, Any]]:
+                  point_fields: Sequence[str] = (),
+                  measured_since: str | None = None) -> list[dict[str, Any]]:
     """The finished points ("runs") of a previous run's json, checked to be the same experiment.
 
     The file must hold `name` (the stem, e.g. "preemption_gpu"), measured on `hardware`, with
@@ -439,7 +440,13 @@ def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
     order the points, such as `block_sizes`; "loads.rates" names the `rates` of every entry
     of a field `loads`): anything else would mix points of different experiments, so it
     raises ValueError naming what differs. A missing file: no points.
+
+    `measured_since` (a UTC time, "YYYY-MM-DDTHH:MM:SSZ") keeps only the points measured at or
+    after it: the settings check cannot see that the engine itself changed between parts, so
+    this is how points of an older engine are dropped and measured again. Points that carry
+    no time (written before times were recorded) are dropped too.
     """
+    since = _parse_utc(measured_since) if measured_since else None
     if not path:
         return []
     if not os.path.exists(path):
@@ -460,8 +467,22 @@ def previous_rows(path: str | None, *, name: str, settings: Any, hardware: str,
         raise ValueError(f"resume_from: {path} has other settings: {', '.join(differ)} differ "
                          f"(theirs: {', '.join(f'{k}={got.get(k)!r}' for k in differ)})")
     rows = payload.get("results", {}).get("runs", [])
+    if since is not None:
+        kept = [r for r in rows if r.get("measured_at") and _parse_utc(r["measured_at"]) >= since]
+        print(f"resume_from: dropping {len(rows) - len(kept)} points measured before {measured_since} "
+              "(or without a time); they are measured again")
+        rows = kept
     print(f"resume_from: {len(rows)} finished points from {path}")
     return rows
+
+
+def _parse_utc(stamp: str) -> datetime.datetime:
+    """A "YYYY-MM-DDTHH:MM:SSZ" time (the json's measured_at); ValueError naming the format."""
+    try:
+        return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    except ValueError:
+        raise ValueError(f"resume_measured_since: expected a UTC time like 2026-12-01T21:00:00Z, "
+                         f"got {stamp!r}") from None
 
 
 def run_resumable(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_fields: Sequence[str],
@@ -492,7 +513,8 @@ def sweep_log(name: str, s: Any, key: Callable[[dict[str, Any]], tuple], point_f
               write: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepLog:
     """A SweepLog holding the points of `--resume_from` (when given), for experiment `name`."""
     rows = previous_rows(flags.FLAGS.resume_from, name=result_name(name), settings=s,
-                         hardware=engine_hardware(s.engine.model), point_fields=point_fields)
+                         hardware=engine_hardware(s.engine.model), point_fields=point_fields,
+                         measured_since=flags.FLAGS.resume_measured_since)
     return SweepLog(key, rows, write)
 
 

@@ -19,6 +19,9 @@
 #                                   so one part fits a 10-minute slot. Run a part again until it
 #                                   reports "complete"; commit its files to results/ between runs.
 #   scripts/run_all.sh --gpu --resume   every GPU sweep resumes from results/<name>_gpu.json
+#   PAXKV_RESUME_SINCE=2026-12-01T21:00:00Z scripts/run_all.sh --gpu --part=N
+#                                   resume keeping only the points measured since that UTC time:
+#                                   older points (an older engine's) are measured again
 #
 # With --gpu, when the environment variable OUT names a directory, every GPU result is also
 # packed into one archive, $OUT/paxkv_gpu_results.tar (rebuilt after each experiment, so a
@@ -102,6 +105,7 @@ run() {
   if [[ "$RESUME" == 1 && " $* " == *" --setting=gpu "* && " ${GPU_PARTS[*]} " == *" $stem "* ]]; then
     # Resume from the committed partial result; a part has its own budget for starting points.
     set -- "$@" --resume_from="results/${stem}_gpu.json"
+    if [[ -n "${PAXKV_RESUME_SINCE:-}" ]]; then set -- "$@" --resume_measured_since="$PAXKV_RESUME_SINCE"; fi
     if [[ -n "$PART" ]]; then set -- "$@" --time_budget_s="${PAXKV_PART_BUDGET_S:-450}"; fi
   fi
   echo "== $(date +%H:%M:%S) $script $*" >&2

@@ -1,6 +1,7 @@
 """The latency-against-load experiments (Figs. 13, 14, 16, 17) at their tiny settings, and the
 resumable sweeps: a resumed sweep keeps the points it was given and runs only the others."""
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -122,6 +123,17 @@ def test_resumed_sweep_keeps_finished_points_and_runs_the_rest(tmp_path):
     # Nothing left to run: the same points come back, none measured again.
     c = _run_bs(third, "--block_sizes=16,64", f"--resume_from={second / 'block_size_ablation.json'}")
     assert c == b
+    # Points measured before a given time (an older engine's) are dropped and measured again.
+    # Here: the first run's points (block 16), seconds older than the second run's.
+    since = min(r["measured_at"] for r in b if r["block_size"] == 64)
+    assert all(r["measured_at"] < since for r in a)
+    d = _run_bs(tmp_path / "d", "--block_sizes=16,64", f"--resume_from={third / 'block_size_ablation.json'}",
+                f"--resume_measured_since={since}")
+    kept = [r for r in b if r["block_size"] == 64]
+    assert [r for r in d if r["block_size"] == 64] == kept       # the newer points carried over
+    again = [r for r in d if r["block_size"] == 16]
+    assert {r["trace"] for r in again} == {"sharegpt", "alpaca"}
+    assert all(r["measured_at"] >= since and r not in a for r in again)
 
 
 def _run_bs(out_dir, *flags: str) -> list[dict]:
@@ -155,6 +167,23 @@ def test_previous_rows_checks_experiment_hardware_and_settings(tmp_path):
     with pytest.raises(ValueError, match="measured on 'hw'"):
         serving.previous_rows(path, name="preemption", settings=s, hardware="other")
     assert serving.previous_rows(str(tmp_path / "missing.json"), name="preemption", settings=s, hardware="hw") == []
+
+
+def test_previous_rows_drops_points_measured_before_a_time(tmp_path):
+    s = configs.get("preemption", "tiny")
+    path = tmp_path / "prev.json"
+    runs = [{"block_size": 8, "mode": "swap"},                                    # no time: dropped
+            {"block_size": 16, "mode": "swap", "measured_at": "2026-12-01T07:56:00Z"},
+            {"block_size": 32, "mode": "swap", "measured_at": "2026-12-01T21:20:30Z"}]
+    path.write_text(json.dumps({"name": "preemption", "hardware": "hw",
+                                "settings": json.loads(json.dumps(dataclasses.asdict(s))),
+                                "results": {"runs": runs}}))
+    read = functools.partial(serving.previous_rows, str(path), name="preemption", settings=s, hardware="hw")
+    assert read() == runs
+    assert read(measured_since="2026-12-01T21:00:00Z") == runs[2:]
+    assert read(measured_since="2026-12-01T07:56:00Z") == runs[1:]              # at the time: kept
+    with pytest.raises(ValueError, match="resume_measured_since"):
+        read(measured_since="yesterday")
 
 
 def test_sweep_log_names_points_and_writes_each_one():
