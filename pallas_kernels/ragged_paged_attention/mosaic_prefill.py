@@ -123,7 +123,7 @@ def _prefill_kernel(seq_ref, pos_ref, end_ref, table_ref, q_ref, k_ref, v_ref, o
         q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, block_k=block_k,
         num_stages=num_stages, group=group, scale=scale, interpret=interpret)
     _run_pipeline(consume, issue, page_ids, k_free, v_free, num_stages=num_stages,
-                                num_iters=num_iters, warp_specialized=warp_specialized)
+                  num_iters=num_iters, warp_specialized=warp_specialized)
 
 
 def _consume(w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_ref, o_ref,
@@ -141,8 +141,7 @@ def _consume(w, h, first_pos, kv_end, num_iters, num_full, page_ids, issue, q_re
     plgpu.copy_gmem_to_smem(q_ref.at[w, h], q_smem, q_bar.at[0])
     plgpu.barrier_wait(q_bar.at[0])
     qk_scale = scale * LOG2E
-    logits, add_pv, iota, init = _tile_ops(q_smem, k_smem, v_smem, block_k,
-                                                         interpret)
+    logits, add_pv, iota, init = _tile_ops(q_smem, k_smem, v_smem, block_k, interpret)
 
     def step(i, carry, masked: bool):
         acc, m, l = carry
@@ -254,7 +253,7 @@ def prefill(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, *, scale
     table = jnp.pad(block_tables, ((0, 1), (0, 0)))     # the padding pseudo-sequence's row
     block_k = block_size * pages_per_compute_block
     scratch = _pipeline_scratch(dtype, dtype, head_dim, block_k, num_stages,
-                                              pages_per_compute_block)
+                                pages_per_compute_block)
     kernel = functools.partial(
         _prefill_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         num_stages=num_stages, group=group, scale=scale, warp_specialized=warp_specialized,
