@@ -66,7 +66,7 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
 
     def key(items, rows):
         batch, decode_only = runner.pack(items)
-        st, _, _ = runner.pack_sampling(rows)
+        st, _, _ = runner.pack_sampling(rows, runner.row_floor(batch, decode_only))
         return decode_only, batch.token_ids.shape[0], batch.block_tables.shape, st.seeds.shape[0]
 
     listed = {key(*dummy_step(s, config, 0.0)) for s in shapes}
@@ -99,6 +99,11 @@ def test_no_compilation_after_precompile_and_outputs_unchanged(llm):
     want = _staggered(reference, seed=5)
     assert reference.runner.num_compilations > 0
     assert got == want and len(got) == 14
+    # The fixed shapes (mixed steps padded to a floor of sampled rows) change no output: the
+    # CPU's own layout, unpadded, gives the same tokens.
+    unpadded = LLMEngine(llm.config, llm.llm_engine.runner, llm.tokenizer)
+    assert not unpadded.runner.fixed_shapes
+    assert _staggered(unpadded, seed=5) == want
 
 
 def test_precompile_needs_fixed_shapes_and_a_bool():

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from paxkv.config import RunnerConfig
 from paxkv.engine.step_io import SampleRow, WorkItem
-from paxkv.runner.buckets import pick_bucket
+from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 
 NULL_BLOCK = 0   # every dummy token is written to the null block, which no sequence owns
 
@@ -47,8 +47,9 @@ def reachable_step_shapes(config: RunnerConfig) -> list[StepShape]:
             continue   # more tokens than max_num_seqs sequences of max_model_len can hold
         # A prefill or mixed step has one sequence with two or more tokens, so at most t - 1
         # sequences (rows) in a step of t tokens.
+        floor = mixed_step_row_floor(t, seqs[-1])
         for n in range(1, min(max_seqs, t - 1) + 1):
-            shapes.setdefault((False, t, pick_bucket(n, rows)), StepShape(False, t, n))
+            shapes.setdefault((False, t, pick_bucket(max(n, floor), rows)), StepShape(False, t, n))
     return list(shapes.values())
 
 

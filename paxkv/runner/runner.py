@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 import time
 from typing import Any, Callable, Sequence
@@ -24,7 +23,7 @@ from paxkv.config import ModelConfig, RunnerConfig
 from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
-from paxkv.runner.buckets import pick_bucket
+from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, sample
 from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
@@ -357,8 +356,14 @@ class Runner:
         logits_idx = np.maximum(cu[1:] - 1, 0).astype(np.int32)
         return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
 
-    def pack_sampling(self, rows: Sequence[SampleRow]) -> tuple[SamplingTensors, bool, int]:
-        r = pick_bucket(max(1, len(rows)), self.row_buckets)
+    def row_floor(self, batch: StepBatch, decode_only: bool) -> int:
+        """The fewest sampled rows `batch`'s program has (`buckets.mixed_step_row_floor`)."""
+        if decode_only or not self.fixed_shapes:
+            return 0
+        return mixed_step_row_floor(batch.token_ids.shape[0], self.seq_buckets[-1])
+
+    def pack_sampling(self, rows: Sequence[SampleRow], min_rows: int = 0) -> tuple[SamplingTensors, bool, int]:
+        r = pick_bucket(max(1, min_rows, len(rows)), self.row_buckets)
         n = len(rows)
         cols = list(zip(*rows)) if rows else [()] * len(SampleRow._fields)
 
@@ -433,7 +438,7 @@ class Runner:
         """
         t0 = time.perf_counter()
         batch, decode_only = self.pack(items)
-        st, all_greedy, k = self.pack_sampling(rows)
+        st, all_greedy, k = self.pack_sampling(rows, self.row_floor(batch, decode_only))
         hidden_at, spans = None, None
         if any(it.features is not None for it in items):
             prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(
@@ -522,7 +527,7 @@ class Runner:
         """Device memory one step over `items` needs beyond its inputs, by XLA's analysis of
         the compiled program (so it does not depend on what else the process allocated)."""
         batch, decode_only = self.pack(items)
-        st, all_greedy, k = self.pack_sampling(rows)
+        st, all_greedy, k = self.pack_sampling(rows, self.row_floor(batch, decode_only))
         inputs, spec = _pack_inputs(batch, st, self.mesh, None)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
