@@ -75,6 +75,16 @@ def test_bad_prompts_name_the_prompt(tiny_llm, prompt, error):
     assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
+def test_prompt_ids_of_every_integer_kind_check_alike(tiny_llm):
+    """Lists of Python ints take a fast path; tuples and numpy integers the per-element one."""
+    import numpy as np
+    validator = tiny_llm.llm_engine.validator
+    want = [5, 6, VOCAB - 1]
+    for prompt in (want, tuple(want), [np.int32(5), 6, np.int64(VOCAB - 1)], np.array(want)):
+        text, ids = validator.prompt(prompt)
+        assert text is None and ids == want and all(type(t) is int for t in ids)
+
+
 def test_generate_with_one_bad_prompt_queues_nothing(tiny_llm):
     engine = tiny_llm.llm_engine
     good = [[1, 30, 40], [1, 50, 60]]

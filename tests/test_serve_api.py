@@ -166,6 +166,9 @@ def test_token_prompts_batches_and_echo(client, llm):
     texts, _, _ = _stream_texts(client.completions.create(
         model="tiny", prompt=PROMPTS[3], max_tokens=4, temperature=0.0, echo=True, stream=True))
     assert texts[0] == echo.choices[0].text
+    echo_ids = client.completions.create(model="tiny", prompt=ids[0], max_tokens=4, temperature=0.0,
+                                         echo=True)   # a token-id prompt is decoded to echo it
+    assert echo_ids.choices[0].text.startswith(tok.decode(ids[0]))
     best = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=6, n=2, best_of=3,
                                      temperature=1.0, seed=5)
     ref = _offline(llm, PROMPTS[4], max_tokens=6, n=2, best_of=3, temperature=1.0, seed=5)

@@ -130,17 +130,22 @@ class RequestValidator:
             raise TypeError(f"prompt must be a string or a list of token ids, got {_type_name(prompt)}")
         else:
             text = None
-            ids = []
-            for i, t in enumerate(prompt):
-                if not is_int(t):
-                    raise TypeError(f"prompt token ids must be ints: prompt[{i}] is "
-                                    f"{_type_name(t)} {t!r}")
-                ids.append(int(t))
+            # The common case, a list of Python ints, is checked in C (type set, min, max);
+            # anything else takes the loop that names the offending element.
+            if type(prompt) is list and set(map(type, prompt)) <= {int}:
+                ids = list(prompt)
+            else:
+                ids = []
+                for i, t in enumerate(prompt):
+                    if not is_int(t):
+                        raise TypeError(f"prompt token ids must be ints: prompt[{i}] is "
+                                        f"{_type_name(t)} {t!r}")
+                    ids.append(int(t))
         if not ids:
             raise ValueError("prompt is empty")
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            t = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt length {len(ids)} leaves no room under max_model_len "
                              f"{self.max_model_len}")

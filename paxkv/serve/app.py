@@ -66,19 +66,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="paxkv", lifespan=lifespan)
     app.state.paxkv = state
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable) -> Response:
-        if state.api_key and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {state.api_key}":
-                return APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                None, "invalid_api_key").response()
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,7 +124,9 @@ def build_app(state: ServerState) -> FastAPI:
         params = _prepare(state, body, {}, body.logprobs, "logprobs")
         prompts = body.prompts()
         ids = [_check_prompt(state, p, params, "prompt", body) for p in prompts]
-        texts = [p if isinstance(p, str) else _decode(state, i) for p, i in zip(prompts, ids)]
+        # The prompt's text is needed only to echo it (token-id prompts are decoded for that).
+        texts = [p if isinstance(p, str) else _decode(state, i) if body.echo else ""
+                 for p, i in zip(prompts, ids)]
         return await _respond(state, request, body, params, ids,
                               _CompletionFormat(state, body, texts))
 
@@ -151,6 +146,28 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(state, request, body, params, ids, _ChatFormat(state, body))
 
     return app
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` (except /health and /metrics).
+
+    Plain ASGI rather than `@app.middleware("http")`: Starlette's BaseHTTPMiddleware runs every
+    request in a task of its own and passes each chunk of a streamed response through a memory
+    stream, a per-chunk cost on every server-sent event."""
+
+    def __init__(self, app: Callable, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if header != self.expected:
+                response = APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                    None, "invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def params_logprobs(body: proto.ChatCompletionRequest) -> int | None:
