@@ -4,9 +4,10 @@ One run, on the same engine settings and the same requests:
 1. offline: `LLM.generate` on the whole trace in a subprocess (compile steps cut out of the
    clock), the reference the HTTP figure is held to (>= --min_offline_ratio of it);
 2. the server (`python3 -m paxkv.serve`, another subprocess, sharing the offline run's JAX
-   compilation cache), warmed up, then driven by an async HTTP client (httpx, streaming
-   /v1/completions with token-id prompts): the whole trace sent at once, then Poisson
-   arrivals at each --rates value. --engine_modes picks the server's arrangement: `process`
+   compilation cache), warmed up, then driven by an async HTTP client (aiohttp, as vLLM's
+   benchmark_serving, or httpx: --clients; streaming /v1/completions with token-id prompts):
+   the whole trace sent at once (once per client in --clients), then Poisson arrivals at each
+   --rates value. --engine_modes picks the server's arrangement: `process`
    (the default: an engine process apart from the HTTP frontend), `thread`
    (`--no-engine-process`: the engine on a thread of the server process), or both in turn,
    each against the same offline run.
@@ -15,7 +16,10 @@ Per request it records TTFT (send -> first streamed chunk), TPOT ((e2e - TTFT) /
 the inter-chunk latencies (ITL) and E2E; per run p50/p90/p99 of each, request and token
 throughput, goodput (requests/s meeting every --goodput_* limit), and where the server's wall
 time went, from its /metrics counters: engine steps, output processing (detokenization),
-the event loop's busy time (HTTP handling), engine idle. Writes serving.json, serving.md and
+the event loop's busy time (HTTP handling), engine idle, and a timeline of the server's
+gauges (sampled every --timeline_interval_s) that places the idle time: before the engine
+held its first request, or after it had finished them all while the client still read. The
+client's own CPU time says whether the client kept up. Writes serving.json, serving.md and
 serving.png (latency against request rate) to --out_dir; exits 1 when a request failed or
 the HTTP throughput missed its offline reference.
 
@@ -23,9 +27,11 @@ the HTTP throughput missed its offline reference.
     PYTHONPATH=. python3 scripts/bench_serving.py --engine_modes process,thread \
         --out_dir /tmp/serving                                   # both arrangements, one run
     PYTHONPATH=. python3 scripts/bench_serving.py --model llama3-8b --num_prompts 1000 \\
-        --input_len 256 --output_len 256 --rates 10,20,40 --rate_num_prompts 300 \\
-        --warmup_prompts 512 --warmup_output_len 64 --engine_args="--precompile" \\
-        --deadline_s 270 --out_dir results/serving                                  # H200
+        --input_len 256 --output_len 256 --rates 10,20,40 --rate_num_prompts 150 \\
+        --warmup_prompts 256 --warmup_output_len 16 --engine_args="--precompile" \\
+        --clients aiohttp,httpx --deadline_s 470 --out_dir results/serving          # H200
+
+The client is aiohttp (`pip install -e ".[bench]"`), as in vLLM's benchmark_serving.
 """
 from __future__ import annotations
 
@@ -72,6 +78,10 @@ flags.DEFINE_string("offline_json", "", "internal: run only the offline part, wr
 flags.DEFINE_string("compile_cache_dir", os.path.join(tempfile.gettempdir(), "paxkv_bench_serving_jax"),
                     "JAX compilation cache shared by the offline run and the server")
 flags.DEFINE_float("deadline_s", 1e9, "skip the rate runs that would start after this many seconds")
+flags.DEFINE_list("clients", ["aiohttp"],
+                  "HTTP clients of the all-at-once run, one run each in turn: aiohttp (vLLM's "
+                  "benchmark_serving's), httpx; warm-up and the rate runs use the first")
+flags.DEFINE_float("timeline_interval_s", 0.25, "how often the server's gauges are sampled during a run")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,51 +168,100 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def read_event(res: Result, data: bytes | str, t0: float, last: float | None) -> tuple[bool, float | None]:
+    """Apply one SSE `data:` payload to `res`; (stream over, time of the last text chunk)."""
+    if data in ("[DONE]", b"[DONE]"):
+        return True, last
+    chunk = json.loads(data)
+    now = time.perf_counter()
+    if "error" in chunk:
+        res.error = str(chunk["error"])
+        return True, last
+    if chunk.get("usage"):
+        res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        res.output_tokens = chunk["usage"]["completion_tokens"]
+    if chunk.get("choices"):
+        if last is None:
+            res.ttft = now - t0
+        else:
+            res.itl.append(now - last)
+        last = now
+    return False, last
+
+
+def finish_result(res: Result, t0: float, max_tokens: int) -> Result:
+    if res.error:
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.ok = res.output_tokens == max_tokens
+    if not res.ok:
+        res.error = f"got {res.output_tokens} tokens, expected {max_tokens}"
+    return res
+
+
+async def one_request_httpx(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
     t0 = time.perf_counter()
     last = None
     res = Result(ok=False)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{url}/v1/completions",
+                                 json=request_body(model, prompt, max_tokens)) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                now = time.perf_counter()
-                if "error" in chunk:
-                    res.error = str(chunk["error"])
-                    return res
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
-                    if last is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.e2e = time.perf_counter() - t0
-        res.ok = res.output_tokens == max_tokens
-        if not res.ok:
-            res.error = f"got {res.output_tokens} tokens, expected {max_tokens}"
+                if line.startswith("data: "):
+                    done, last = read_event(res, line[6:], t0, last)
+                    if done:
+                        break
+        return finish_result(res, t0, max_tokens)
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-async def drive(url: str, model: str, trace, label: str) -> tuple[list[Result], float]:
-    import httpx
+async def one_request_aiohttp(session, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+    t0 = time.perf_counter()
+    last = None
+    res = Result(ok=False)
+    try:
+        async with session.post(f"{url}/v1/completions", json=request_body(model, prompt, max_tokens)) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                return res
+            async for raw in r.content:   # one line per iteration
+                if raw.startswith(b"data: "):
+                    done, last = read_event(res, raw[6:].rstrip(), t0, last)
+                    if done:
+                        break
+        return finish_result(res, t0, max_tokens)
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def http_client(kind: str):
+    """(async context manager of a client with no connection limit, its request coroutine)."""
+    if kind == "aiohttp":
+        import aiohttp
+        return (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                      timeout=aiohttp.ClientTimeout(total=3600.0)), one_request_aiohttp)
+    if kind == "httpx":
+        import httpx
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits), one_request_httpx
+    raise ValueError(f"--clients: {kind!r} is neither aiohttp nor httpx")
+
+
+async def drive(url: str, model: str, trace, label: str, client_kind: str) -> tuple[list[Result], float]:
     from tqdm.auto import tqdm
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    client_cm, one_request = http_client(client_kind)
+    async with client_cm as client:
         bar = tqdm(total=len(trace), desc=label, dynamic_ncols=True, mininterval=1.0)
         start = time.perf_counter()
 
@@ -218,6 +277,58 @@ async def drive(url: str, model: str, trace, label: str) -> tuple[list[Result], 
         wall = time.perf_counter() - start
         bar.close()
     return list(results), wall
+
+
+class Timeline:
+    """Samples the server's gauges on a thread during a run: when the engine held work, so
+    that the run's idle time splits into before its first request and after its last."""
+
+    KEYS = ("num_requests_running", "num_requests_waiting", "engine_idle_seconds_total",
+            "request_success_total", "generation_tokens_total")
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        import threading
+        self.url, self.interval_s = url, interval_s
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = 0.0
+
+    def __enter__(self) -> "Timeline":
+        self.t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                m = scrape(self.url)
+            except Exception:  # noqa: BLE001 - a missed sample is not a failed run
+                continue
+            self.samples.append({"t": time.perf_counter() - self.t0,
+                                 **{k: m.get(f"paxkv:{k}", float("nan")) for k in self.KEYS}})
+
+    def summary(self, wall: float, num_requests: int) -> dict:
+        """When the engine first held work, first held every request of the run (running or
+        queued; None if it never did), and had none left for good."""
+        s = self.samples
+        held = [x["num_requests_running"] + x["num_requests_waiting"] for x in s]
+        first_work = next((x["t"] for x, h in zip(s, held) if h > 0), None)
+        all_held = next((x["t"] for x, h in zip(s, held) if h >= num_requests), None)
+        drained = None
+        for x, h in zip(s, held):
+            if h > 0:
+                drained = None
+            elif drained is None and first_work is not None and x["t"] > first_work:
+                drained = x["t"]
+        return {"interval_s": self.interval_s, "first_work_s": first_work, "all_held_s": all_held,
+                "engine_drained_s": drained,
+                "tail_after_drained_s": None if drained is None else max(0.0, wall - drained),
+                "max_held": max(held) if held else None, "samples": s}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -258,6 +369,9 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict, rat
         "itl_ms": pct([x for r in ok for x in r.itl]), "e2e_ms": pct([r.e2e for r in ok]),
         "server_time_shares": shares,
         "compilations_during_run": delta.get("paxkv:num_compilations", 0.0),
+        # A run must find none of its prompts cached (the offline reference starts cold too).
+        "prefix_cache_hit_rate": (delta.get("paxkv:prefix_cache_hits_total", 0.0)
+                                  / max(1.0, delta.get("paxkv:prefix_cache_queries_total", 0.0))),
         # A compile stalls every stream; throughput with those stalls taken out of the clock is
         # what the offline figure (compile cut out too) compares with.
         "compile_s_during_run": delta.get("paxkv:compile_seconds", 0.0),
@@ -323,26 +437,43 @@ def write_reports(result: dict) -> None:
                   f"requests/s, {off['output_throughput']:.0f} output tokens/s "
                   f"({off['total_token_throughput']:.0f} total tokens/s; compile {off['compile_s']:.1f} s "
                   "cut out)", ""]
-    lines += ["| engine | rate (req/s) | requests | failed | req/s | output tok/s | goodput req/s | TTFT p50/p90/p99 ms "
-              "| TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | engine step | output proc. | "
-              "event loop busy | engine idle | compiles |", "|" + " --- |" * 16]
+    lines += ["| engine | client | rate (req/s) | requests | failed | req/s | output tok/s | goodput req/s | "
+              "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | engine step | "
+              "output proc. | event loop busy | engine idle | compiles |", "|" + " --- |" * 17]
     for r in result["runs"]:
         t, p, i, e, s = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"], r["server_time_shares"]
         lines.append(
-            f"| {r.get('engine_mode') or 'url'} | {r['rate']} | {r['requests']} | {r['failed']} | {r['request_throughput']:.2f} | "
+            f"| {r.get('engine_mode') or 'url'} | {r.get('client', 'httpx')} | {r['rate']} | {r['requests']} | "
+            f"{r['failed']} | {r['request_throughput']:.2f} | "
             f"{r['output_throughput']:.0f} | {r['goodput']:.2f} | {t['p50']:.0f} / {t['p90']:.0f} / "
             f"{t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} | {i['p50']:.1f} / "
             f"{i['p99']:.1f} | {e['p50']:.0f} / {e['p99']:.0f} | {100 * s['engine_step']:.1f}% | "
             f"{100 * s['output_processing']:.2f}% | {100 * s['frontend_busy']:.1f}% | "
             f"{100 * s['engine_idle']:.1f}% | {r['compilations_during_run']:.0f} |")
+    timed = [r for r in result["runs"] if "timeline" in r]
+    if timed:
+        lines += ["", "Where each run's wall time went, from the client's CPU time and the server's gauges "
+                  "sampled during the run (engine: requests running or queued in the engine):", "",
+                  "| engine | client | rate | wall s | client CPU | prefix-cache hits | engine's first step with work done at s | "
+                  "held every request at s | had none left from s | client still reading after that, s |",
+                  "|" + " --- |" * 10]
+        for r in timed:
+            tl = r["timeline"]
+            f = lambda v: "-" if v is None else f"{v:.2f}"   # noqa: E731
+            lines.append(f"| {r.get('engine_mode') or 'url'} | {r.get('client')} | {r['rate']} | "
+                         f"{r['wall_s']:.2f} | {100 * r['client_cpu_share']:.0f}% | "
+                         f"{100 * r.get('prefix_cache_hit_rate', 0.0):.1f}% | {f(tl['first_work_s'])} | "
+                         f"{f(tl['all_held_s'])} | {f(tl['engine_drained_s'])} | {f(tl['tail_after_drained_s'])} |")
     off = result.get("offline")
-    for mode, ratio in result.get("offline_ratio_by_mode", {}).items():
-        first = next(r for r in result["runs"] if str(r.get("engine_mode")) == mode)
-        excl = first["output_throughput_excl_compile"] / off["output_throughput"]
-        lines += ["", f"Engine {mode}: all at once over HTTP / offline output throughput: "
-                  f"**{ratio:.3f}** (target >= {FLAGS.min_offline_ratio}); with the "
-                  f"{first['compilations_during_run']:.0f} compilations of the HTTP run "
-                  f"({first['compile_s_during_run']:.1f} s) cut out of its clock as the offline "
+    for r in result["runs"]:
+        if r["rate"] != "inf" or not off:
+            continue
+        ratio = r["output_throughput"] / off["output_throughput"]
+        excl = r["output_throughput_excl_compile"] / off["output_throughput"]
+        lines += ["", f"Engine {r.get('engine_mode')}, client {r.get('client')}: all at once over HTTP / "
+                  f"offline output throughput: **{ratio:.3f}** (target >= {FLAGS.min_offline_ratio}); with "
+                  f"the {r['compilations_during_run']:.0f} compilations of the HTTP run "
+                  f"({r['compile_s_during_run']:.1f} s) cut out of its clock as the offline "
                   f"run's are: {excl:.3f}"]
     lines += ["", f"Goodput: requests with TTFT <= {FLAGS.goodput_ttft_ms:.0f} ms and TPOT <= "
               f"{FLAGS.goodput_tpot_ms:.0f} ms, per second. Time shares are of the run's wall time, "
@@ -426,8 +557,12 @@ def main(argv) -> None:
         if result.get("offline"):
             off = result["offline"]["output_throughput"]
             for mode in modes:
-                first = next(r for r in result["runs"] if r.get("engine_mode") == mode)
+                first = next(r for r in result["runs"] if r.get("engine_mode") == mode)   # first client
                 result.setdefault("offline_ratio_by_mode", {})[str(mode)] = first["output_throughput"] / off
+            for r in result["runs"]:
+                if r["rate"] == "inf":
+                    key = f"{r.get('engine_mode')}/{r.get('client')}"
+                    result.setdefault("offline_ratio_by_mode_and_client", {})[key] = r["output_throughput"] / off
             first = result["runs"][0]
             result["offline_ratio"] = first["output_throughput"] / off
             result["offline_ratio_excl_compile"] = first["output_throughput_excl_compile"] / off
@@ -475,7 +610,8 @@ def measure_server(mode: str | None, env: dict, result: dict, t_start: float) ->
                            make_trace(FLAGS.warmup_rate_prompts, fastest, FLAGS.seed + 2000, vocab)])
         t = time.perf_counter()
         for i, phase in enumerate(phases):
-            warm_results, _ = asyncio.run(drive(url, model, phase, f"{mode} warm-up {i + 1}"))
+            warm_results, _ = asyncio.run(drive(url, model, phase, f"{mode} warm-up {i + 1}",
+                                                FLAGS.clients[0]))
             if not all(r.ok for r in warm_results):
                 raise RuntimeError(f"warm-up failed: {[r.error for r in warm_results if not r.ok][:3]}")
         result.setdefault("warmup_s", {})[str(mode)] = time.perf_counter() - t
@@ -486,12 +622,24 @@ def measure_server(mode: str | None, env: dict, result: dict, t_start: float) ->
             if k > 0 and time.perf_counter() - t_start > FLAGS.deadline_s:
                 result.setdefault("skipped_rates", []).append(f"{mode}:{rate}")
                 continue
-            before = scrape(url)
-            results, wall = asyncio.run(drive(url, model, tr, f"{mode} rate {rate}"))
-            summary = {"engine_mode": mode, **summarize(results, wall, before, scrape(url), rate)}
-            result["runs"].append(summary)
-            print(json.dumps(summary), flush=True)
-            failed |= summary["failed"] > 0
+            for c, client_kind in enumerate(FLAGS.clients if math.isinf(rate) else FLAGS.clients[:1]):
+                if c:   # same lengths, other ids: nothing of it is in the prefix cache yet
+                    tr = make_trace(len(tr), rate, FLAGS.seed + 500 + c, vocab)
+                before = scrape(url)
+                cpu0 = time.process_time()
+                with Timeline(url, FLAGS.timeline_interval_s) as timeline:
+                    results, wall = asyncio.run(drive(url, model, tr, f"{mode} {client_kind} rate {rate}",
+                                                      client_kind))
+                client_cpu_s = time.process_time() - cpu0
+                summary = {"engine_mode": mode, "client": client_kind,
+                           **summarize(results, wall, before, scrape(url), rate),
+                           "client_cpu_share": client_cpu_s / wall,
+                           "timeline": timeline.summary(wall, len(tr))}
+                result["runs"].append(summary)
+                print(json.dumps({k: v for k, v in summary.items() if k != "timeline"}), flush=True)
+                print("timeline:", json.dumps({k: v for k, v in summary["timeline"].items()
+                                               if k != "samples"}), flush=True)
+                failed |= summary["failed"] > 0
     finally:
         if server is not None:
             result.setdefault("server_exit_code", {})[str(mode)] = server.stop()
