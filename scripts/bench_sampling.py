@@ -185,8 +185,7 @@ def main(argv):
 
     def dispatch_today():
         """One step of today's program, dispatched and not waited for."""
-        b, decode_only = runner.pack(items)
-        st, _, _ = runner.pack_sampling(plain, runner.row_floor(b, decode_only))
+        b, decode_only, st, _, _ = runner.pack_step(items, plain)
         inputs, spec = _pack_inputs(b, st)
         out, runner.kv_pool = today(runner.params, runner.kv_pool, inputs, spec=spec, cfg=cfg,
                                     backend=runner.backend, decode_only=decode_only)

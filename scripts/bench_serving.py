@@ -36,6 +36,7 @@ The client is aiohttp (`pip install -e ".[bench]"`), as in vLLM's benchmark_serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -204,39 +205,33 @@ def finish_result(res: Result, t0: float, max_tokens: int) -> Result:
     return res
 
 
-async def one_request_httpx(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+@contextlib.asynccontextmanager
+async def _httpx_stream(client, url: str, body: dict):
+    """(status, body reader, lines, SSE data prefix) of one streamed POST with httpx."""
+    async with client.stream("POST", url, json=body) as r:
+        yield r.status_code, r.aread, r.aiter_lines(), "data: "
+
+
+@contextlib.asynccontextmanager
+async def _aiohttp_stream(session, url: str, body: dict):
+    """The same with aiohttp, whose lines are bytes (one per iteration, newline kept)."""
+    async with session.post(url, json=body) as r:
+        yield r.status, r.read, r.content, b"data: "
+
+
+async def one_request(client, stream, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
     t0 = time.perf_counter()
     last = None
     res = Result(ok=False)
     try:
-        async with client.stream("POST", f"{url}/v1/completions",
-                                 json=request_body(model, prompt, max_tokens)) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with stream(client, f"{url}/v1/completions",
+                          request_body(model, prompt, max_tokens)) as (status, read, lines, prefix):
+            if status != 200:
+                res.error = f"HTTP {status}: {(await read())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    done, last = read_event(res, line[6:], t0, last)
-                    if done:
-                        break
-        return finish_result(res, t0, max_tokens)
-    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-async def one_request_aiohttp(session, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
-    t0 = time.perf_counter()
-    last = None
-    res = Result(ok=False)
-    try:
-        async with session.post(f"{url}/v1/completions", json=request_body(model, prompt, max_tokens)) as r:
-            if r.status != 200:
-                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
-                return res
-            async for raw in r.content:   # one line per iteration
-                if raw.startswith(b"data: "):
-                    done, last = read_event(res, raw[6:].rstrip(), t0, last)
+            async for line in lines:
+                if line.startswith(prefix):
+                    done, last = read_event(res, line[6:].rstrip(), t0, last)
                     if done:
                         break
         return finish_result(res, t0, max_tokens)
@@ -246,21 +241,21 @@ async def one_request_aiohttp(session, url: str, model: str, prompt: list[int], 
 
 
 def http_client(kind: str):
-    """(async context manager of a client with no connection limit, its request coroutine)."""
+    """(async context manager of a client with no connection limit, its streamed POST)."""
     if kind == "aiohttp":
         import aiohttp
         return (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                      timeout=aiohttp.ClientTimeout(total=3600.0)), one_request_aiohttp)
+                                      timeout=aiohttp.ClientTimeout(total=3600.0)), _aiohttp_stream)
     if kind == "httpx":
         import httpx
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits), one_request_httpx
+        return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits), _httpx_stream
     raise ValueError(f"--clients: {kind!r} is neither aiohttp nor httpx")
 
 
 async def drive(url: str, model: str, trace, label: str, client_kind: str) -> tuple[list[Result], float]:
     from tqdm.auto import tqdm
-    client_cm, one_request = http_client(client_kind)
+    client_cm, stream = http_client(client_kind)
     async with client_cm as client:
         bar = tqdm(total=len(trace), desc=label, dynamic_ncols=True, mininterval=1.0)
         start = time.perf_counter()
@@ -269,7 +264,7 @@ async def drive(url: str, model: str, trace, label: str, client_kind: str) -> tu
             delay = arrival - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            r = await one_request(client, url, model, prompt, out_len)
+            r = await one_request(client, stream, url, model, prompt, out_len)
             bar.update(1)
             return r
 
@@ -443,7 +438,7 @@ def write_reports(result: dict) -> None:
     for r in result["runs"]:
         t, p, i, e, s = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"], r["server_time_shares"]
         lines.append(
-            f"| {r.get('engine_mode') or 'url'} | {r.get('client', 'httpx')} | {r['rate']} | {r['requests']} | "
+            f"| {r.get('engine_mode') or 'url'} | {r['client']} | {r['rate']} | {r['requests']} | "
             f"{r['failed']} | {r['request_throughput']:.2f} | "
             f"{r['output_throughput']:.0f} | {r['goodput']:.2f} | {t['p50']:.0f} / {t['p90']:.0f} / "
             f"{t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} | {i['p50']:.1f} / "

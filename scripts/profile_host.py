@@ -67,8 +67,7 @@ class StubRunner(Runner):
         """Pack as the real dispatch does (into the one transfer buffer) and answer with a
         packed result buffer, so `Runner.fetch` unpacks it for real."""
         t0 = time.perf_counter()
-        batch, decode_only = self.pack(items)
-        st, _, _ = self.pack_sampling(rows, self.row_floor(batch, decode_only))
+        batch, _, st, _, _ = self.pack_step(items, rows)
         transfer.pack_host(tuple(batch) + tuple(st) + (np.zeros(0, np.int32),))
         n = len(rows)
         r = st.seeds.shape[0]

@@ -146,8 +146,7 @@ def profile_batch(runner, b: int) -> dict:
         runner.execute(items, rows)
         sync.append(time.perf_counter() - t)
     # Back to back: the same device inputs, no wait until the end.
-    batch, decode_only = runner.pack(items)
-    st, all_greedy, k = runner.pack_sampling(rows, runner.row_floor(batch, decode_only))
+    batch, decode_only, st, all_greedy, k = runner.pack_step(items, rows)
     inputs, spec = _pack_inputs(batch, st, runner.mesh)
     pool = runner.kv_pool
     kw = dict(spec=spec, cfg=cfg, backend=runner.backend, decode_only=decode_only,

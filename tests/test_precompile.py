@@ -65,8 +65,7 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
     runner._table_rows = None
 
     def key(items, rows):
-        batch, decode_only = runner.pack(items)
-        st, _, _ = runner.pack_sampling(rows, runner.row_floor(batch, decode_only))
+        batch, decode_only, st, _, _ = runner.pack_step(items, rows)
         return decode_only, batch.token_ids.shape[0], batch.block_tables.shape, st.seeds.shape[0]
 
     listed = {key(*dummy_step(s, config, 0.0)) for s in shapes}

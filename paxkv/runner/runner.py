@@ -356,11 +356,16 @@ class Runner:
         logits_idx = np.maximum(cu[1:] - 1, 0).astype(np.int32)
         return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
 
-    def row_floor(self, batch: StepBatch, decode_only: bool) -> int:
-        """The fewest sampled rows `batch`'s program has (`buckets.mixed_step_row_floor`)."""
-        if decode_only or not self.fixed_shapes:
-            return 0
-        return mixed_step_row_floor(batch.token_ids.shape[0], self.seq_buckets[-1])
+    def pack_step(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                  ) -> tuple[StepBatch, bool, SamplingTensors, bool, int]:
+        """`pack` and `pack_sampling` as a step's program sees them: (batch, decode_only,
+        sampling tensors, all_greedy, top-logprob k). On fixed shapes a prefill or mixed step
+        samples at least `buckets.mixed_step_row_floor` rows."""
+        batch, decode_only = self.pack(items)
+        floor = 0
+        if self.fixed_shapes and not decode_only:
+            floor = mixed_step_row_floor(batch.token_ids.shape[0], self.seq_buckets[-1])
+        return (batch, decode_only, *self.pack_sampling(rows, floor))
 
     def pack_sampling(self, rows: Sequence[SampleRow], min_rows: int = 0) -> tuple[SamplingTensors, bool, int]:
         r = pick_bucket(max(1, min_rows, len(rows)), self.row_buckets)
@@ -437,8 +442,7 @@ class Runner:
         with the masks (one more small transfer).
         """
         t0 = time.perf_counter()
-        batch, decode_only = self.pack(items)
-        st, all_greedy, k = self.pack_sampling(rows, self.row_floor(batch, decode_only))
+        batch, decode_only, st, all_greedy, k = self.pack_step(items, rows)
         hidden_at, spans = None, None
         if any(it.features is not None for it in items):
             prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(
@@ -526,8 +530,7 @@ class Runner:
     def step_scratch_bytes(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> int:
         """Device memory one step over `items` needs beyond its inputs, by XLA's analysis of
         the compiled program (so it does not depend on what else the process allocated)."""
-        batch, decode_only = self.pack(items)
-        st, all_greedy, k = self.pack_sampling(rows, self.row_floor(batch, decode_only))
+        batch, decode_only, st, all_greedy, k = self.pack_step(items, rows)
         inputs, spec = _pack_inputs(batch, st, self.mesh, None)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
