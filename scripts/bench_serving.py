@@ -481,6 +481,9 @@ def write_reports(result: dict) -> None:
               "process's)."]
     with open(os.path.join(out, "serving.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot_bursts(result, out)
+    if not any(r["rate"] != "inf" for r in result["runs"]):
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -506,6 +509,39 @@ def write_reports(result: dict) -> None:
         fig.suptitle(f"paxkv serve {result['model']} over HTTP ({result['device']})")
         fig.tight_layout()
         fig.savefig(os.path.join(out, "serving.png"), dpi=120)
+    except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
+        print("plot failed:", e, flush=True)
+
+
+def plot_bursts(result: dict, out: str) -> None:
+    """serving_burst.png: output tokens over time in each all-at-once run (from the server's
+    gauges), beside the offline run's average pace: where an HTTP run loses its time."""
+    bursts = [r for r in result["runs"] if r["rate"] == "inf" and r.get("timeline", {}).get("samples")]
+    if not bursts:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, r in enumerate(bursts):
+            samples = r["timeline"]["samples"]
+            base = samples[0]["generation_tokens_total"]
+            ax.plot([x["t"] for x in samples], [x["generation_tokens_total"] - base for x in samples],
+                    label=f"HTTP run {i + 1} ({r.get('engine_mode') or ''} {r['client']}), "
+                          f"{r['output_throughput']:.0f} tok/s")
+        offline = result.get("offline") or {}
+        if offline.get("run_s"):
+            total = offline["output_throughput"] * offline["run_s"]
+            ax.plot([0, offline["run_s"]], [0, total], "k--",
+                    label=f"offline pace, {offline['output_throughput']:.0f} tok/s")
+        ax.set_xlabel("seconds since the burst was sent")
+        ax.set_ylabel("output tokens generated")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{result['model']}: all requests at once ({result['device']})")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "serving_burst.png"), dpi=120)
     except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
         print("plot failed:", e, flush=True)
 
