@@ -39,7 +39,7 @@ def dense_logits(params):
     return seqs, logits
 
 
-def run_schedule(params, seqs, block_size, chunk_sizes, seed):
+def run_schedule(params, seqs, block_size, chunk_sizes, seed, backend="reference"):
     """Feed each sequence in chunks (cycling `chunk_sizes`); all sequences share each step."""
     max_len = max(len(s) for s in seqs)
     blocks_per_seq = -(-max_len // block_size)
@@ -64,7 +64,7 @@ def run_schedule(params, seqs, block_size, chunk_sizes, seed):
         batch, decode_only = runner.pack(items)
         kinds.add("decode" if decode_only else ("mixed" if any(n == 1 for *_, n in owners) else "prefill"))
         logits, pool = forward(params, jax.tree.map(jnp.asarray, batch), pool, CFG,
-                               backend="reference", decode_only=decode_only, all_logits=True)
+                               backend=backend, decode_only=decode_only, all_logits=True)
         logits = np.asarray(logits)
         for j, (i, start, n) in enumerate(owners):
             a = batch.cu_q_lens[j]
@@ -86,3 +86,14 @@ def test_paged_logits_equal_dense(params, dense_logits, block_size, chunks):
         assert kinds == {"decode"}
     if chunks == (9, 1, 1):
         assert "mixed" in kinds
+
+
+@pytest.mark.parametrize("chunks", [(5, 16, 7), (9, 1, 1)], ids=["chunked", "mixed"])
+def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
+    """The GPU backend's path (Pallas kernels in interpret mode): attention, and the fused
+    layer kernels it brings (residual add + norm, RoPE + KV-page write, split combine)."""
+    seqs, ref = dense_logits
+    got, kinds = run_schedule(params, seqs, 8, chunks, seed=3, backend="pallas")
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+    assert "decode" in kinds or "mixed" in kinds

@@ -364,7 +364,7 @@ def decode(q, k_pages, v_pages, block_tables, context_lens, *, scale: float,
 
     `block_tables` is already padded to `num_splits * pages_per_split` columns.
     """
-    from pallas_kernels.paged_attention.paged_attention import combine_splits
+    from pallas_kernels.paged_attention.combine import combine_splits
     plgpu = _plgpu()
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape

@@ -17,7 +17,7 @@ Why it is shaped this way:
 - Split-K (flash-decoding): with few sequences or long contexts the `batch x kv_heads`
   programs cannot fill the GPU, so each sequence's pages are cut into `num_splits` ranges
   processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
-  small combine rescales and sums them.
+  small combine kernel (`combine.py`) rescales and sums them.
 - fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
 - Masked loads: tokens past the context length are neither read nor counted, so stale or
   non-finite page contents past the end never reach the output. With fp8 pages (which need
@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import mosaic_decode, paging, tuning
+from pallas_kernels.paged_attention.combine import combine_splits_kernel
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("blocks_first", "heads_first")
@@ -132,16 +133,6 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
         plgpu.store(lse_ref.at[out_rows], lse, mask=row_mask)
 
 
-def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merge split partials `[B, S, Hq, d]` (normalized) with base-2 LSEs `[B, S, Hq]`."""
-    mx = jnp.max(lse, axis=1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp2(lse - mx)                              # empty splits: exp2(-inf) = 0
-    den = jnp.sum(w, axis=1)
-    num = jnp.sum(o_part * w[..., None], axis=1)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
                       pages_per_compute_block: int, num_sms: int = 132,
                       programs_per_sm: int = 4) -> int:
@@ -223,7 +214,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     )(*args)
     if num_splits == 1:
         return outs[0]
-    return combine_splits(outs[0], outs[1]).astype(q.dtype)
+    return combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, layout):

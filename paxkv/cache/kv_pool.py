@@ -113,7 +113,8 @@ def write_layer_quantized(k_pages: jax.Array, v_pages: jax.Array, k_scale: jax.A
             flat_ks.reshape(nb, bs, h), flat_vs.reshape(nb, bs, h))
 
 
-def _replace_at(layers: tuple, layer: int, new) -> tuple:
+def replace_layer(layers: tuple, layer: int, new) -> tuple:
+    """The per-layer tuple `layers` with entry `layer` replaced by `new`."""
     return layers[:layer] + (new,) + layers[layer + 1:]
 
 
@@ -122,11 +123,11 @@ def write(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slot_mapping: ja
     returns the new pool."""
     if not pool.quantized:
         nk, nv = write_layer(pool.k[layer], pool.v[layer], k, v, slot_mapping)
-        return pool._replace(k=_replace_at(pool.k, layer, nk), v=_replace_at(pool.v, layer, nv))
+        return pool._replace(k=replace_layer(pool.k, layer, nk), v=replace_layer(pool.v, layer, nv))
     nk, nv, nks, nvs = write_layer_quantized(pool.k[layer], pool.v[layer], pool.k_scale[layer],
                                              pool.v_scale[layer], k, v, slot_mapping)
-    return KVPool(_replace_at(pool.k, layer, nk), _replace_at(pool.v, layer, nv),
-                  _replace_at(pool.k_scale, layer, nks), _replace_at(pool.v_scale, layer, nvs))
+    return KVPool(replace_layer(pool.k, layer, nk), replace_layer(pool.v, layer, nv),
+                  replace_layer(pool.k_scale, layer, nks), replace_layer(pool.v_scale, layer, nvs))
 
 
 def read_layer(pool: KVPool, layer: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:

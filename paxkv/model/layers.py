@@ -39,18 +39,31 @@ AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Ar
 INIT_STD = 0.02  # the usual Llama initializer range
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32 whatever the activation dtype."""
+class AddRMSNorm(nn.Module):
+    """The residual add and the RMSNorm after it: `(x + residual, norm(x + residual))`.
+
+    The norm is computed in float32 whatever the activation dtype, on the sum rounded to
+    the activation dtype; `residual` None means no add (the first layer's input). With
+    `fused` the pair is one Pallas kernel (`pallas_kernels.layer_ops.add_rms_norm`).
+    """
 
     eps: float
     dtype: Any = jnp.float32
+    fused: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
+        if self.fused:
+            from pallas_kernels.layer_ops import add_rms_norm
+            from pallas_kernels.layer_ops.add_rms_norm import supported
+            if supported(x.shape[-1]):
+                return add_rms_norm(x, residual, scale, eps=self.eps,
+                                    interpret=jax.default_backend() != "gpu")
+        total = x if residual is None else x + residual
+        xf = total.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * scale.astype(jnp.float32)).astype(self.dtype)
+        return total, (xf * scale.astype(jnp.float32)).astype(self.dtype)
 
 
 def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
@@ -74,23 +87,50 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
     return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
+def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: Any) -> jax.Array:
+    """The q/k/v projections of `x` as one `[..., Hq + 2 Hkv, d]` array (q, k, v heads): in
+    the 2-D fused layout that is the fused matmul's output itself, else a concatenation."""
+    lead = x.shape[:-1]
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    if not module.is_initializing() and module.has_variable("params", "qkv_proj"):
+        kernel = module.get_variable("params", "qkv_proj")["kernel"]
+        if kernel.ndim == 2:
+            y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                                    (((x.ndim - 1,), (0,)), ((), ())))
+            return y.reshape(*lead, heads, cfg.head_dim)
+    q, k, v = _fused_projections(module, x, "qkv_proj", cfg, dtype)
+    return jnp.concatenate([q.reshape(*lead, cfg.num_heads, cfg.head_dim),
+                            k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
+                            v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)], axis=-2)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention projections and RoPE around a caller-given core."""
+    """Grouped-query self-attention projections and RoPE around a caller-given core.
+
+    With `packed_qkv` the core receives the q/k/v projection's output as it comes out of the
+    fused matmul, unrotated and unsplit: `[..., Hq + 2 Hkv, d]` (q heads, k heads, v heads)
+    as `q`, and None as k and v; it rotates and splits them itself (the paged engine's fused
+    RoPE + KV-write kernel reads its heads from that one buffer)."""
 
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
+    packed_qkv: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
         c = self.cfg
         lead = x.shape[:-1]
-        q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
-        q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
-        out, state = attention(self.layer, q, k, v, state)
+        if self.packed_qkv:
+            out, state = attention(self.layer, _packed_qkv_heads(self, x, c, self.dtype), None,
+                                   None, state)
+        else:
+            q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
+            q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
+            out, state = attention(self.layer, q, k, v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
         return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
 
@@ -109,19 +149,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer, its last residual add deferred: `(x, residual)` -> `(mlp_out, residual')`.
+
+    The residual stream entering the layer is `x + residual` (`residual` None at layer 0,
+    where x is the embeddings); the stream leaving it is `mlp_out + residual'`. Deferring
+    that add to the next norm lets the add and the norm be one kernel (`fused`), with the
+    same operations, in the same order, as the plain form.
+    """
+
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
+    fused: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, residual: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                 attention: AttentionFn, state: Any) -> tuple[jax.Array, jax.Array, Any]:
         c = self.cfg
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x)
-        h, state = Attention(c, self.layer, self.dtype, name="self_attn")(h, cos, sin, attention, state)
-        x = x + h
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
-        return x + MLP(c, self.dtype, name="mlp")(h), state
+        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
+                                 name="input_layernorm")(x, residual)
+        h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
+                             name="self_attn")(h, cos, sin, attention, state)
+        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
+                                 name="post_attention_layernorm")(h, residual)
+        return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
 class LMHead(nn.Module):
@@ -144,10 +195,15 @@ class Llama(nn.Module):
     `logits_at`, when given, is an integer index array into the flattened leading dims:
     only those rows go through the final norm and the LM head (the engine needs one row per
     sequence, not one per token).
+
+    `fused` (the paged engine on a GPU backend): each residual add and the norm after it
+    run as one Pallas kernel, and the attention core receives the packed, unrotated q/k/v
+    heads (`Attention.packed_qkv`; it applies RoPE as it writes the KV pages).
     """
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    fused: bool = False
 
     @nn.compact
     def __call__(self, token_ids: jax.Array, positions: jax.Array, attention: AttentionFn,
@@ -171,16 +227,22 @@ class Llama(nn.Module):
 
         take(0, x, hidden_at)
         cos, sin = cos_sin(positions, c)
+        residual = None
         for i in range(c.num_layers):
-            x, state = DecoderLayer(c, i, self.dtype, name=f"layers_{i}")(x, cos, sin, attention, state)
-            if i + 1 < c.num_layers:
-                take(i + 1, x, hidden_at)
-        final = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
+            x, residual, state = DecoderLayer(c, i, self.dtype, self.fused, name=f"layers_{i}")(
+                x, residual, cos, sin, attention, state)
+            if i + 1 < c.num_layers and i + 1 in hidden_layers:
+                take(i + 1, x + residual, hidden_at)
+        final = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused, name="norm")
+
+        def rows(a: jax.Array, at: jax.Array) -> jax.Array:
+            return a.reshape(-1, c.hidden_size)[at]
+
         if c.num_layers in hidden_layers:
-            take(c.num_layers, final(x.reshape(-1, c.hidden_size)[hidden_at]), None)
+            take(c.num_layers, final(rows(x, hidden_at), rows(residual, hidden_at))[1], None)
         if logits_at is not None:
-            x = x.reshape(-1, c.hidden_size)[logits_at]
-        x = final(x)
+            x, residual = rows(x, logits_at), rows(residual, logits_at)
+        x = final(x, residual)[1]
         if c.tie_word_embeddings:
             logits = jnp.einsum("...h,vh->...v", x, embed.embedding.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
