@@ -481,14 +481,32 @@ def write_reports(result: dict) -> None:
               "process's)."]
     with open(os.path.join(out, "serving.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot_rates(result, out)
     plot_bursts(result, out)
-    if not any(r["rate"] != "inf" for r in result["runs"]):
-        return
+
+
+def save_figure(path: str, draw, **subplots_kw) -> None:
+    """Draw one matplotlib figure (`draw(fig, ax)`) and save it as a PNG; a failure is printed,
+    not raised: the numbers matter more than the picture."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        fig, ax = plt.subplots(**subplots_kw)
+        draw(fig, ax)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e, flush=True)
+
+
+def plot_rates(result: dict, out: str) -> None:
+    """serving.png: latency percentiles against the request rate (runs at a finite rate)."""
+    if not any(r["rate"] != "inf" for r in result["runs"]):
+        return
+
+    def draw(fig, ax):
         for mode in dict.fromkeys(r.get("engine_mode") for r in result["runs"]):
             runs = [r for r in result["runs"] if r["rate"] != "inf" and r.get("engine_mode") == mode]
             if not runs:
@@ -507,10 +525,8 @@ def write_reports(result: dict) -> None:
             a.legend()
             a.grid(alpha=0.3)
         fig.suptitle(f"paxkv serve {result['model']} over HTTP ({result['device']})")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "serving.png"), dpi=120)
-    except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
-        print("plot failed:", e, flush=True)
+
+    save_figure(os.path.join(out, "serving.png"), draw, nrows=1, ncols=2, figsize=(10, 4))
 
 
 def plot_bursts(result: dict, out: str) -> None:
@@ -519,11 +535,8 @@ def plot_bursts(result: dict, out: str) -> None:
     bursts = [r for r in result["runs"] if r["rate"] == "inf" and r.get("timeline", {}).get("samples")]
     if not bursts:
         return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
+
+    def draw(fig, ax):
         for i, r in enumerate(bursts):
             samples = r["timeline"]["samples"]
             base = samples[0]["generation_tokens_total"]
@@ -540,10 +553,8 @@ def plot_bursts(result: dict, out: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_title(f"{result['model']}: all requests at once ({result['device']})")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "serving_burst.png"), dpi=120)
-    except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
-        print("plot failed:", e, flush=True)
+
+    save_figure(os.path.join(out, "serving_burst.png"), draw, figsize=(7, 4))
 
 
 def main(argv) -> None:

@@ -44,74 +44,46 @@ def back_to_back(fn, *args, reps=REPS, trials=5):
     return statistics.median(out)
 
 
-def gemv_kn(x, w, *, bn, bk, warps, stages):
+def gemv(x, w, *, bn, bk, warps, stages, splits=1, transposed=False):
+    """y = x @ w (w `[K, N]`) or x @ w.T (`transposed`: w `[N, K]`, K contiguous): one program
+    per `bn` output columns, x padded to the 16 rows a tensor-core dot needs. With `splits` > 1
+    a second grid axis splits K and XLA sums the float32 partials."""
     m, k = x.shape
-    n = w.shape[1]
-    mp = 16
-    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
-
-    def kernel(x_ref, w_ref, o_ref):
-        def body(i, acc):
-            k0 = pl.multiple_of(i * bk, bk)
-            return acc + plgpu.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), :])
-        acc = lax.fori_loop(0, k // bk, body, jnp.zeros((mp, bn), jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
-
-    return pl.pallas_call(
-        kernel, grid=(n // bn,),
-        in_specs=[pl.BlockSpec((mp, k), lambda j: (0, 0)), pl.BlockSpec((k, bn), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((mp, bn), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        name=f"gemv_kn_{bn}_{bk}")(xp, w)[:m]
-
-
-def gemv_kn_splitk(x, w, *, bn, bk, splits, warps, stages):
-    """Split K over a second grid axis; f32 partials summed by XLA."""
-    m, k = x.shape
-    n = w.shape[1]
+    n = w.shape[0] if transposed else w.shape[1]
     mp = 16
     kc = k // splits
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
 
     def kernel(x_ref, w_ref, o_ref):
-        s = pl.program_id(1)
+        first = pl.program_id(1) * kc if splits > 1 else 0
 
         def body(i, acc):
-            k0 = pl.multiple_of(s * kc + i * bk, bk)
-            return acc + plgpu.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), :])
-        o_ref[...] = lax.fori_loop(0, kc // bk, body, jnp.zeros((mp, bn), jnp.float32))
-
-    part = pl.pallas_call(
-        kernel, grid=(n // bn, splits),
-        in_specs=[pl.BlockSpec((mp, k), lambda j, s: (0, 0)), pl.BlockSpec((k, bn), lambda j, s: (0, j))],
-        out_specs=pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, mp, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        name=f"gemv_kn_sk{splits}_{bn}_{bk}")(xp, w)
-    return part.sum(0)[:m].astype(x.dtype)
-
-
-def gemv_nk(x, wt, *, bn, bk, warps, stages):
-    m, k = x.shape
-    n = wt.shape[0]
-    mp = 16
-    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
-
-    def kernel(x_ref, w_ref, o_ref):
-        def body(i, acc):
-            k0 = pl.multiple_of(i * bk, bk)
-            return acc + plgpu.dot(x_ref[:, pl.ds(k0, bk)], w_ref[:, pl.ds(k0, bk)], trans_b=True)
-        acc = lax.fori_loop(0, k // bk, body, jnp.zeros((mp, bn), jnp.float32))
+            k0 = pl.multiple_of(first + i * bk, bk)
+            w_tile = w_ref[:, pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), :]
+            return acc + plgpu.dot(x_ref[:, pl.ds(k0, bk)], w_tile, trans_b=transposed)
+        acc = lax.fori_loop(0, kc // bk, body, jnp.zeros((mp, bn), jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
 
-    return pl.pallas_call(
-        kernel, grid=(n // bn,),
-        in_specs=[pl.BlockSpec((mp, k), lambda j: (0, 0)), pl.BlockSpec((bn, k), lambda j: (j, 0))],
-        out_specs=pl.BlockSpec((mp, bn), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+    w_spec = (pl.BlockSpec((bn, k), lambda j, *_: (j, 0)) if transposed
+              else pl.BlockSpec((k, bn), lambda j, *_: (0, j)))
+    if splits > 1:
+        grid, out_dtype = (n // bn, splits), jnp.float32
+        out_spec = pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j))
+        out_shape = (splits, mp, n)
+    else:
+        grid, out_dtype = (n // bn,), x.dtype
+        out_spec = pl.BlockSpec((mp, bn), lambda j: (0, j))
+        out_shape = (mp, n)
+    out = pl.pallas_call(
+        kernel, grid=grid,
+        in_specs=[pl.BlockSpec((mp, k), lambda j, *_: (0, 0)), w_spec],
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        name=f"gemv_nk_{bn}_{bk}")(xp, wt)[:m]
+        name=f"gemv_{'nk' if transposed else 'kn'}_sk{splits}_{bn}_{bk}")(xp, w)
+    if splits > 1:
+        out = out.sum(0).astype(x.dtype)
+    return out[:m]
 
 
 def chain(f):
@@ -185,11 +157,11 @@ def main():
                     for st in (3, 5):
                         if n_ % bn == 0 and k % bk == 0 and bn * bk <= 16384:
                             record(f"pl_kn_bn{bn}_bk{bk}_s{st}", chain(functools.partial(
-                                gemv_kn, bn=bn, bk=bk, warps=4, stages=st)), (x, ws))
+                                gemv, bn=bn, bk=bk, warps=4, stages=st)), (x, ws))
             for splits in (2, 4):
                 for bn in (64, 128):
                     record(f"pl_kn_sk{splits}_bn{bn}_bk128_s4", chain(functools.partial(
-                        gemv_kn_splitk, bn=bn, bk=128, splits=splits, warps=4, stages=4)), (x, ws))
+                        gemv, bn=bn, bk=128, splits=splits, warps=4, stages=4)), (x, ws))
             wts = [jax.block_until_ready(jnp.array(w.T)) for w in ws]
             record("xla_nk", chain(lambda x, w: lax.dot_general(
                 x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)), (x, wts))
@@ -197,7 +169,7 @@ def main():
                 for bk in (128, 256):
                     for st in (3, 5):
                         record(f"pl_nk_bn{bn}_bk{bk}_s{st}", chain(functools.partial(
-                            gemv_nk, bn=bn, bk=bk, warps=4, stages=st)), (x, wts))
+                            gemv, bn=bn, bk=bk, warps=4, stages=st, transposed=True)), (x, wts))
             del wts
         res["shapes"][name] = out
         del ws

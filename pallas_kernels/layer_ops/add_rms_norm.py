@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention.paging import is_power_of_two
+
 
 def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.Array,
                            eps: float) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +41,7 @@ def _kernel(*refs, eps: float, has_residual: bool):
 
 def supported(hidden: int) -> bool:
     """The kernel holds a row as one Triton block: its width must be a power of two."""
-    return hidden > 0 and hidden & (hidden - 1) == 0
+    return is_power_of_two(hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

@@ -19,10 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
+from pallas_kernels.paged_attention.paging import is_power_of_two
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
@@ -51,8 +48,8 @@ def rope_kv_write_reference(qkv, cos, sin, slot_mapping, k_pages, v_pages):
 
 def supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     """Heads and half the head dimension are Triton blocks: powers of two."""
-    return (_is_power_of_two(q_heads) and _is_power_of_two(kv_heads)
-            and head_dim >= 4 and _is_power_of_two(head_dim))
+    return (is_power_of_two(q_heads) and is_power_of_two(kv_heads)
+            and head_dim >= 4 and is_power_of_two(head_dim))
 
 
 def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
