@@ -61,6 +61,7 @@ CASES = [
     (8, 2, 32, 3, [95, 1, 40, 64], jnp.float32, 2, 1),    # larger block
     (8, 2, 16, 5, [79, 2, 16, 0], jnp.bfloat16, 1, 2),
     (16, 2, 8, 8, [63, 9, 1, 30], jnp.bfloat16, 4, 2),
+    (8, 2, 8, 64, [130, 37, 1, 0], jnp.float32, 8, 2),    # contexts far shorter than the table
 ]
 
 

@@ -15,8 +15,8 @@ Why it is shaped this way:
   `block_k = pages_per_compute_block * block_size` tokens through the block table, enough
   bytes in flight per program to approach the memory bandwidth.
 - Split-K (flash-decoding): with few sequences or long contexts the `batch x kv_heads`
-  programs cannot fill the GPU, so each sequence's pages are cut into `num_splits` ranges
-  processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
+  programs cannot fill the GPU, so each sequence's pages (up to its length, not the table's
+  width) are cut into `num_splits` ranges processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
   small combine kernel (`combine.py`) rescales and sums them.
 - fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
 - Masked loads: tokens past the context length are neither read nor counted, so stale or
@@ -62,7 +62,7 @@ def _split_full_steps(page_dtype) -> bool:
 
 
 def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
-                   pages_per_compute_block: int, pages_per_split: int, group: int,
+                   pages_per_compute_block: int, group: int,
                    rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype):
     """One (sequence, kv head, split): online softmax over that split's pages."""
     if quantized:
@@ -88,8 +88,14 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     compute_dtype = q.dtype
     precision = paging.dot_precision(compute_dtype)
 
-    first_page = s * pages_per_split
-    last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
+    # The splits share the sequence's own pages, not the table's width: at one stream with a
+    # 2,048-token table a 512-token context otherwise fell into 2 of its 8 splits, 2 loop
+    # steps each. Whole loop steps per split, so no step crosses into the next split, and
+    # never more pages than the table's padding gives each split (`paged_decode`).
+    length_pages = _cdiv(length, block_size)
+    split_pages = _cdiv(_cdiv(length_pages, num_splits), pages_per_compute_block) * pages_per_compute_block
+    first_page = s * split_pages
+    last_page = jnp.minimum(length_pages, first_page + split_pages)
     num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
 
     # Only a step that reaches past `length` needs masks: every step before it holds
@@ -163,7 +169,7 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
-                 num_kv_heads, pages_per_compute_block, pages_per_split, num_splits, scale,
+                 num_kv_heads, pages_per_compute_block, num_splits, scale,
                  num_warps, num_stages, dot_dtype, interpret):
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
@@ -200,7 +206,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
 
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
-        pages_per_split=pages_per_split, group=group, rows=rows, scale=scale,
+        group=group, rows=rows, scale=scale,
         quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype)
     outs = pl.pallas_call(
         kernel,
@@ -331,6 +337,6 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _decode_call(
         q, to_tok(k_pages), to_tok(v_pages), to_tok(k_scale), to_tok(v_scale), block_tables,
         context_lens, layout=pages_layout, block_size=block_size, num_kv_heads=num_kv_heads,
-        pages_per_compute_block=ppcb, pages_per_split=pages_per_split, num_splits=splits,
+        pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages,
         dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret)
