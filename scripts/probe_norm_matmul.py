@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layer_ops import add_rms_norm
+from pallas_kernels.layer_ops import add_rms_norm, add_rms_norm_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_thin_matmuls import back_to_back  # noqa: E402  (the same timing method)
@@ -53,11 +53,9 @@ TILINGS = {   # (block_n, block_k, num_warps, num_stages)
 
 
 def reference(x, scale, w, *, swiglu):
-    """The unfused form in jnp: RMSNorm in float32 rounded to w's dtype, the matmul rounded
-    to it, and with `swiglu` `silu(gate) * up` of the two halves of the product."""
-    xf = x.astype(jnp.float32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS)
-    normed = (normed * scale.astype(jnp.float32)).astype(w.dtype)
+    """The unfused form in jnp: the norm's reference (float32, rounded to scale's dtype), the
+    matmul rounded to w's dtype, and with `swiglu` `silu(gate) * up` of the product's halves."""
+    normed = add_rms_norm_reference(x, None, scale, EPS)[1]
     y = jnp.dot(normed, w, preferred_element_type=jnp.float32).astype(w.dtype)
     if not swiglu:
         return y
@@ -185,10 +183,10 @@ def main():
         scale = (1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 99), (HIDDEN,))).astype(jnp.bfloat16)
         want = np.asarray(reference(x, scale, ws[0], swiglu=swiglu), np.float32)
         mag = float(np.max(np.abs(want)))
-        rows = {}
+        timings = {}
         t = back_to_back(chain(lambda x, s, w: unfused(x, s, w, swiglu)), x, scale, ws) / nw
-        rows["unfused"] = {"us": t * 1e6, "tbps": nbytes / t / 1e12}
-        print(name, "unfused", rows["unfused"], flush=True)
+        timings["unfused"] = {"us": t * 1e6, "tbps": nbytes / t / 1e12}
+        print(name, "unfused", timings["unfused"], flush=True)
         for variant in ("prescaled", "in_loop"):
             for bn, bk, warps, stages in TILINGS[name]:
                 label = f"{variant}_bn{bn}_bk{bk}_w{warps}_s{stages}"
@@ -198,22 +196,23 @@ def main():
                     got = np.asarray(f(x, scale, ws[0]), np.float32)
                     err = float(np.max(np.abs(got - want))) / mag
                     t = back_to_back(chain(lambda x, s, w: f(x, s, w)), x, scale, ws) / nw
-                    rows[label] = {"us": t * 1e6, "tbps": nbytes / t / 1e12, "rel_err": err}
+                    timings[label] = {"us": t * 1e6, "tbps": nbytes / t / 1e12, "rel_err": err}
                     if err > 2 ** -6:
                         misses.append(f"{name} {label}: relative error {err:.3g}")
                 except Exception as e:  # noqa: BLE001  (a tiling Triton cannot compile)
-                    rows[label] = {"error": repr(e)[:300]}
-                print(name, label, rows[label], flush=True)
-        res["shapes"][name] = rows
+                    timings[label] = {"error": repr(e)[:300]}
+                print(name, label, timings[label], flush=True)
+        res["shapes"][name] = timings
         del ws
     lines = ["| matmul | unfused (norm kernel + XLA) us | fused form | fastest tiling | us | / unfused |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for name, rows in res["shapes"].items():
+    for name, timings in res["shapes"].items():
         for variant in ("prescaled", "in_loop"):
-            timed = {k: v for k, v in rows.items() if k.startswith(variant) and "us" in v}
+            timed = {k: v for k, v in timings.items() if k.startswith(variant) and "us" in v}
             best = min(timed, key=lambda k: timed[k]["us"])
-            lines.append(f"| {name} | {rows['unfused']['us']:.1f} | {variant} | {best[len(variant) + 1:]} | "
-                         f"{timed[best]['us']:.1f} | {timed[best]['us'] / rows['unfused']['us']:.3f} |")
+            base = timings["unfused"]["us"]
+            lines.append(f"| {name} | {base:.1f} | {variant} | {best[len(variant) + 1:]} | "
+                         f"{timed[best]['us']:.1f} | {timed[best]['us'] / base:.3f} |")
     res["table"] = "\n".join(lines)
     print(res["table"])
     os.makedirs(args.out_dir, exist_ok=True)

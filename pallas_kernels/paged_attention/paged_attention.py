@@ -16,8 +16,9 @@ Why it is shaped this way:
   bytes in flight per program to approach the memory bandwidth.
 - Split-K (flash-decoding): with few sequences or long contexts the `batch x kv_heads`
   programs cannot fill the GPU, so each sequence's pages (up to its length, not the table's
-  width) are cut into `num_splits` ranges processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
-  small combine kernel (`combine.py`) rescales and sums them.
+  width) are cut into `num_splits` ranges processed in parallel; each writes a normalized
+  partial output and its log-sum-exp, and a small combine kernel (`combine.py`) rescales and
+  sums them.
 - fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
 - Masked loads: tokens past the context length are neither read nor counted, so stale or
   non-finite page contents past the end never reach the output. With fp8 pages (which need
@@ -91,9 +92,10 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     # The splits share the sequence's own pages, not the table's width: at one stream with a
     # 2,048-token table a 512-token context otherwise fell into 2 of its 8 splits, 2 loop
     # steps each. Whole loop steps per split, so no step crosses into the next split, and
-    # never more pages than the table's padding gives each split (`paged_decode`).
+    # never more pages than the table's padding gives each split (`paged_attention`).
     length_pages = _cdiv(length, block_size)
-    split_pages = _cdiv(_cdiv(length_pages, num_splits), pages_per_compute_block) * pages_per_compute_block
+    split_pages = (_cdiv(_cdiv(length_pages, num_splits), pages_per_compute_block)
+                   * pages_per_compute_block)
     first_page = s * split_pages
     last_page = jnp.minimum(length_pages, first_page + split_pages)
     num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
