@@ -8,9 +8,8 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.layer_ops import (add_rms_norm, add_rms_norm_partials_reference,
-                                      add_rms_norm_reference, rope_kv_write,
-                                      rope_kv_write_partials_reference, rope_kv_write_reference)
+from pallas_kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, rope_kv_write,
+                                      rope_kv_write_reference)
 from pallas_kernels.paged_attention import combine_splits, combine_splits_kernel
 
 
@@ -34,27 +33,6 @@ def test_add_rms_norm_kernel_matches_reference(dtype, with_residual, lead, inter
     np.testing.assert_array_equal(_f32(total), _f32(want_total))
     tol = 1e-5 if dtype == jnp.float32 else 1e-2   # one bf16 rounding of the output
     np.testing.assert_allclose(_f32(normed), _f32(want_normed), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("splits", [2, 4])
-def test_add_rms_norm_kernel_adds_partial_sums(dtype, splits, interpret):
-    """x as a split-K matmul's float32 partial sums: added up and rounded before the add."""
-    rng = np.random.default_rng(splits)
-    rows, hidden = 5, 256
-    partials = jnp.asarray(rng.standard_normal((splits, rows, hidden)) * 2, jnp.float32)
-    res = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
-    scale = jnp.asarray(rng.standard_normal(hidden), dtype)
-    total, normed = add_rms_norm(partials, res, scale, eps=1e-5, interpret=interpret,
-                                 partial_sums=True)
-    want_total, want_normed = add_rms_norm_partials_reference(partials, res, scale, 1e-5)
-    assert total.dtype == res.dtype and total.shape == res.shape
-    # float32 sums in another order may round a bf16 element the other way
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(_f32(total), _f32(want_total), rtol=tol, atol=tol)
-    np.testing.assert_allclose(_f32(normed), _f32(want_normed), rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="residual"):
-        add_rms_norm(partials, None, scale, eps=1e-5, interpret=interpret, partial_sums=True)
 
 
 def test_add_rms_norm_kernel_rejects_widths_it_cannot_hold(interpret):
@@ -96,32 +74,6 @@ def test_rope_kv_write_kernel_matches_reference(dtype, q_heads, kv_heads, head_d
     for t, s in enumerate(slots):
         if 0 <= s < num_blocks * block_size:
             np.testing.assert_array_equal(_f32(got[2]).reshape(-1, kv_heads, head_dim)[s], v_heads[t])
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rope_kv_write_kernel_adds_partial_sums(dtype, interpret):
-    """q/k/v heads as a split-K matmul's float32 partial sums, rounded to `dtype` first."""
-    rng = np.random.default_rng(11)
-    splits, tokens, q_heads, kv_heads, head_dim, num_blocks, block_size = 4, 6, 8, 2, 32, 5, 4
-    partials = jnp.asarray(
-        rng.standard_normal((splits, tokens, q_heads + 2 * kv_heads, head_dim)), jnp.float32)
-    angles = rng.uniform(0, 300, (tokens, head_dim // 2)).astype(np.float32)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
-    slots[1] = -1
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
-    v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
-    got = rope_kv_write(partials, cos, sin, jnp.asarray(slots), k_pages, v_pages,
-                        interpret=interpret, partial_sums=True, dtype=dtype)
-    dropped = np.where(slots < 0, num_blocks * block_size + 1, slots)
-    want = rope_kv_write_partials_reference(partials, cos, sin, jnp.asarray(dropped), k_pages,
-                                            v_pages, dtype)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2   # sum order; one bf16 rounding each side
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_allclose(_f32(g), _f32(w), rtol=tol, atol=tol)
-    assert got[0].dtype == jnp.dtype(dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])

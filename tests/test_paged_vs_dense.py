@@ -92,12 +92,11 @@ def test_paged_logits_equal_dense(params, dense_logits, block_size, chunks):
 @pytest.mark.parametrize("chunks", [(5, 16, 7), (9, 1, 1), (1,)], ids=["chunked", "mixed", "decode"])
 def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     """The GPU backend's path (Pallas kernels in interpret mode): attention, and the fused
-    layer kernels it brings (residual add + norm, RoPE + KV-page write, split combine); its
-    decode steps are thin, so their q/k/v, o and down matmuls hand split-K partial sums to
-    those kernels (`paxkv.model.split_k`)."""
+    layer kernels it brings (residual add + norm, RoPE + KV-page write, split combine), on
+    the weights in the serving layout the engine runs (one q/k/v matmul, one gate/up)."""
     seqs, ref = dense_logits
     got, kinds = run_schedule(fuse_projections(params), seqs, 8, chunks, seed=3,
-                              backend="pallas")   # the serving layout: one q/k/v matmul
+                              backend="pallas")
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
     assert "decode" in kinds or "mixed" in kinds

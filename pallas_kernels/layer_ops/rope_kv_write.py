@@ -9,16 +9,10 @@ materialized by a copy first), rotates its query and key heads, and writes its k
 into the page pool in place (the pages are aliased to the output, so nothing else of the
 pool is touched). Rotation as `paxkv.model.rope.apply_rope`: float32 math, "rotate half"
 layout, results rounded to the input dtype.
-
-The q/k/v heads may also come as the float32 partial sums of a split-K matmul
-(`partial_sums`, `[splits, T, Hq + 2 Hkv, d]`, the model's thin steps:
-`paxkv.model.split_k`): the kernel adds them up and rounds them to `dtype` before it rotates,
-as the rounded matmul output would be, so the matmul needs no reduction launch of its own.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +46,6 @@ def rope_kv_write_reference(qkv, cos, sin, slot_mapping, k_pages, v_pages):
     return _rotate(q, cos, sin), flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
 
 
-def rope_kv_write_partials_reference(partials, cos, sin, slot_mapping, k_pages, v_pages, dtype):
-    """`rope_kv_write_reference` of the summed partials, rounded to `dtype` (jnp)."""
-    qkv = jnp.sum(partials.astype(jnp.float32), axis=0).astype(dtype)
-    return rope_kv_write_reference(qkv, cos, sin, slot_mapping, k_pages, v_pages)
-
-
 def supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     """Heads and half the head dimension are Triton blocks: powers of two."""
     return (is_power_of_two(q_heads) and is_power_of_two(kv_heads)
@@ -66,27 +54,18 @@ def supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
 
 def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
             q_out_ref, k_pages_ref, v_pages_ref, *, q_heads: int, kv_heads: int, half: int,
-            num_slots: int, splits: int):
+            num_slots: int):
     t = pl.program_id(0)
     c = cos_ref[...][None, :]
     s = sin_ref[...][None, :]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    dtype = q_out_ref.dtype
-
-    def heads_at(rows, cols):
-        """The heads' columns as the matmul's rounded output (partial sums added first)."""
-        if not splits:
-            return qkv_ref[rows, cols]
-        x = qkv_ref[0, rows, cols].astype(jnp.float32)
-        for i in range(1, splits):
-            x = x + qkv_ref[i, rows, cols].astype(jnp.float32)
-        return x.astype(dtype)
 
     def rotated(first: int, heads: int):
         rows = pl.ds(first, heads)
-        x1 = heads_at(rows, lo).astype(jnp.float32)
-        x2 = heads_at(rows, hi).astype(jnp.float32)
-        return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+        x1 = qkv_ref[rows, lo].astype(jnp.float32)
+        x2 = qkv_ref[rows, hi].astype(jnp.float32)
+        return ((x1 * c - x2 * s).astype(qkv_ref.dtype),
+                (x2 * c + x1 * s).astype(qkv_ref.dtype))
 
     q1, q2 = rotated(0, q_heads)
     q_out_ref[:, lo] = q1
@@ -98,15 +77,14 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
     def _():
         k_pages_ref[slot, :, lo] = k1.astype(k_pages_ref.dtype)
         k_pages_ref[slot, :, hi] = k2.astype(k_pages_ref.dtype)
-        v = heads_at(pl.ds(q_heads + kv_heads, kv_heads), pl.ds(0, 2 * half))
+        v = qkv_ref[pl.ds(q_heads + kv_heads, kv_heads), :]
         v_pages_ref[slot] = v.astype(v_pages_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "partial_sums", "dtype"))
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
-                  k_pages: jax.Array, v_pages: jax.Array, *, interpret: bool = False,
-                  partial_sums: bool = False,
-                  dtype: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  k_pages: jax.Array, v_pages: jax.Array, *,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`rope_kv_write_reference` as one Pallas launch (one program per token): -> (rotated q
     `[T, Hq, d]`, k_pages, v_pages).
 
@@ -114,16 +92,9 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: 
     `[T, d // 2]` float32, slot_mapping
     int32 `[T]` (`block * block_size + offset`; slots outside the pool are not written), one
     layer's unquantized pages `[num_blocks, block_size, Hkv, d]` (aliased to the outputs: inside
-    a jitted step whose pool is donated they are updated in place). With `partial_sums` qkv is
-    `[splits, T, Hq + 2 Hkv, d]`, partial sums that add up to the heads
-    (`rope_kv_write_partials_reference`), rounded to `dtype` (default: the pages' dtype), the
-    rotated q's dtype.
+    a jitted step whose pool is donated they are updated in place).
     """
-    splits = qkv.shape[0] if partial_sums else 0
-    t, heads, d = qkv.shape[1:] if partial_sums else qkv.shape
-    if dtype is None:
-        dtype = k_pages.dtype if partial_sums else qkv.dtype
-    dtype = jnp.dtype(dtype)
+    t, heads, d = qkv.shape
     nb, bs, hkv, page_d = k_pages.shape
     hq = heads - 2 * hkv
     if page_d != d or hq < 1:
@@ -134,18 +105,16 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: 
     half = d // 2
     num_slots = nb * bs
     pages_spec = pl.BlockSpec((num_slots, hkv, d), lambda i: (0, 0, 0))
-    qkv_spec = (pl.BlockSpec((splits, None, heads, d), lambda i: (0, i, 0, 0)) if splits
-                else pl.BlockSpec((None, heads, d), lambda i: (i, 0, 0)))
     q_out, k_flat, v_flat = pl.pallas_call(
-        functools.partial(_kernel, q_heads=hq, kv_heads=hkv, half=half, num_slots=num_slots,
-                          splits=splits),
+        functools.partial(_kernel, q_heads=hq, kv_heads=hkv, half=half, num_slots=num_slots),
         grid=(t,),
         in_specs=[pl.BlockSpec((t,), lambda i: (0,)),
                   pl.BlockSpec((None, half), lambda i: (i, 0)),
                   pl.BlockSpec((None, half), lambda i: (i, 0)),
-                  qkv_spec, pages_spec, pages_spec],
+                  pl.BlockSpec((None, heads, d), lambda i: (i, 0, 0)),
+                  pages_spec, pages_spec],
         out_specs=[pl.BlockSpec((None, hq, d), lambda i: (i, 0, 0)), pages_spec, pages_spec],
-        out_shape=[jax.ShapeDtypeStruct((t, hq, d), dtype),
+        out_shape=[jax.ShapeDtypeStruct((t, hq, d), qkv.dtype),
                    jax.ShapeDtypeStruct((num_slots, hkv, d), k_pages.dtype),
                    jax.ShapeDtypeStruct((num_slots, hkv, d), v_pages.dtype)],
         input_output_aliases={4: 1, 5: 2},

@@ -30,10 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
-from paxkv.model import split_k
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
 from paxkv.model.rope import apply_rope, cos_sin
-from paxkv.model.split_k import NO_SPLIT, Plan, SplitK
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -46,8 +44,7 @@ class AddRMSNorm(nn.Module):
 
     The norm is computed in float32 whatever the activation dtype, on the sum rounded to
     the activation dtype; `residual` None means no add (the first layer's input). With
-    `fused` the pair is one Pallas kernel (`pallas_kernels.layer_ops.add_rms_norm`), which
-    also adds up x when it comes as a thin matmul's partial sums (`split_k.SplitK`).
+    `fused` the pair is one Pallas kernel (`pallas_kernels.layer_ops.add_rms_norm`).
     """
 
     eps: float
@@ -55,19 +52,14 @@ class AddRMSNorm(nn.Module):
     fused: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array | SplitK,
-                 residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        partial_sums = isinstance(x, SplitK)
-        hidden = (x.partials if partial_sums else x).shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (hidden,), self.dtype)
+    def __call__(self, x: jax.Array, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if self.fused:
             from pallas_kernels.layer_ops import add_rms_norm
             from pallas_kernels.layer_ops.add_rms_norm import supported
-            if supported(hidden) and (residual is not None or not partial_sums):
-                return add_rms_norm(x.partials if partial_sums else x, residual, scale,
-                                    eps=self.eps, interpret=jax.default_backend() != "gpu",
-                                    partial_sums=partial_sums)
-        x = split_k.total(x, self.dtype if residual is None else residual.dtype)
+            if supported(x.shape[-1]):
+                return add_rms_norm(x, residual, scale, eps=self.eps,
+                                    interpret=jax.default_backend() != "gpu")
         total = x if residual is None else x + residual
         xf = total.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
@@ -95,29 +87,16 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
     return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
-def _project(module: nn.Module, x: jax.Array, name: str, features: int, dtype: Any,
-             splits: int) -> jax.Array | SplitK:
-    """The bias-free projection `name` of x (an `nn.Dense`'s parameter): with `splits` > 1
-    its split-K partial sums (`split_k.matmul`), else the `nn.Dense` output."""
-    if splits > 1 and not module.is_initializing() and module.has_variable("params", name):
-        kernel = module.get_variable("params", name)["kernel"]
-        return split_k.matmul(x.astype(dtype), kernel.astype(dtype), splits)
-    return _linear(features, name, dtype)(x)
-
-
-def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: Any,
-                      splits: int = 1) -> jax.Array | SplitK:
+def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: Any) -> jax.Array:
     """The q/k/v projections of `x` as one `[..., Hq + 2 Hkv, d]` array (q, k, v heads): in
-    the 2-D fused layout that is the fused matmul's output itself (or its split-K partials,
-    `[splits, ..., Hq + 2 Hkv, d]`, when `splits` > 1), else a concatenation."""
+    the 2-D fused layout that is the fused matmul's output itself, else a concatenation."""
     lead = x.shape[:-1]
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
     if not module.is_initializing() and module.has_variable("params", "qkv_proj"):
         kernel = module.get_variable("params", "qkv_proj")["kernel"]
         if kernel.ndim == 2:
-            y = split_k.matmul(x.astype(dtype), kernel.astype(dtype), splits)
-            if isinstance(y, SplitK):
-                return SplitK(y.partials.reshape(-1, *lead, heads, cfg.head_dim))
+            y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                                    (((x.ndim - 1,), (0,)), ((), ())))
             return y.reshape(*lead, heads, cfg.head_dim)
     q, k, v = _fused_projections(module, x, "qkv_proj", cfg, dtype)
     return jnp.concatenate([q.reshape(*lead, cfg.num_heads, cfg.head_dim),
@@ -131,24 +110,21 @@ class Attention(nn.Module):
     With `packed_qkv` the core receives the q/k/v projection's output as it comes out of the
     fused matmul, unrotated and unsplit: `[..., Hq + 2 Hkv, d]` (q heads, k heads, v heads)
     as `q`, and None as k and v; it rotates and splits them itself (the paged engine's fused
-    RoPE + KV-write kernel reads its heads from that one buffer). `split` names the
-    projections that return split-K partial sums (`split_k`; only with `packed_qkv`): the
-    packed heads for q/k/v, the output for o."""
+    RoPE + KV-write kernel reads its heads from that one buffer)."""
 
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
     packed_qkv: bool = False
-    split: Plan = NO_SPLIT
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attention: AttentionFn, state: Any) -> tuple[jax.Array | SplitK, Any]:
+                 attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
         c = self.cfg
         lead = x.shape[:-1]
         if self.packed_qkv:
-            heads = _packed_qkv_heads(self, x, c, self.dtype, self.split.qkv_proj)
-            out, state = attention(self.layer, heads, None, None, state)
+            out, state = attention(self.layer, _packed_qkv_heads(self, x, c, self.dtype), None,
+                                   None, state)
         else:
             q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
             q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
@@ -156,24 +132,20 @@ class Attention(nn.Module):
             v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
             out, state = attention(self.layer, q, k, v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
-        splits = self.split.o_proj if self.packed_qkv else 1
-        return _project(self, out, "o_proj", c.hidden_size, self.dtype, splits), state
+        return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); down as split-K partial sums when `down_splits`
-    > 1 (`split_k`)."""
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
-    down_splits: int = 1
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | SplitK:
+    def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        return _project(self, nn.silu(gate) * up, "down_proj", c.hidden_size, self.dtype,
-                        self.down_splits)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -182,30 +154,25 @@ class DecoderLayer(nn.Module):
     The residual stream entering the layer is `x + residual` (`residual` None at layer 0,
     where x is the embeddings); the stream leaving it is `mlp_out + residual'`. Deferring
     that add to the next norm lets the add and the norm be one kernel (`fused`), with the
-    same operations, in the same order, as the plain form. With `split` (fused only) the thin
-    projections hand their split-K partial sums to the fused kernel after them (`split_k`),
-    so x may come, and the output leave, as `SplitK`.
+    same operations, in the same order, as the plain form.
     """
 
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
     fused: bool = False
-    split: Plan = NO_SPLIT
 
     @nn.compact
-    def __call__(self, x: jax.Array | SplitK, residual: jax.Array | None, cos: jax.Array,
-                 sin: jax.Array, attention: AttentionFn,
-                 state: Any) -> tuple[jax.Array | SplitK, jax.Array, Any]:
+    def __call__(self, x: jax.Array, residual: jax.Array | None, cos: jax.Array, sin: jax.Array,
+                 attention: AttentionFn, state: Any) -> tuple[jax.Array, jax.Array, Any]:
         c = self.cfg
-        split = self.split if self.fused else NO_SPLIT
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
                                  name="input_layernorm")(x, residual)
-        h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused, split=split,
+        h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
                              name="self_attn")(h, cos, sin, attention, state)
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
                                  name="post_attention_layernorm")(h, residual)
-        return MLP(c, self.dtype, split.down_proj, name="mlp")(h), residual, state
+        return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
 class LMHead(nn.Module):
@@ -231,9 +198,7 @@ class Llama(nn.Module):
 
     `fused` (the paged engine on a GPU backend): each residual add and the norm after it
     run as one Pallas kernel, and the attention core receives the packed, unrotated q/k/v
-    heads (`Attention.packed_qkv`; it applies RoPE as it writes the KV pages), and steps of
-    at most `split_k.THIN_ROWS` tokens pass their thin matmuls' split-K partial sums to those
-    kernels (`split_k.plan`; the attention core then receives `SplitK` heads).
+    heads (`Attention.packed_qkv`; it applies RoPE as it writes the KV pages).
     """
 
     cfg: ModelConfig
@@ -262,18 +227,16 @@ class Llama(nn.Module):
 
         take(0, x, hidden_at)
         cos, sin = cos_sin(positions, c)
-        split = split_k.plan(token_ids.size, self.fused)
         residual = None
         for i in range(c.num_layers):
-            x, residual, state = DecoderLayer(c, i, self.dtype, self.fused, split,
-                                              name=f"layers_{i}")(
+            x, residual, state = DecoderLayer(c, i, self.dtype, self.fused, name=f"layers_{i}")(
                 x, residual, cos, sin, attention, state)
             if i + 1 < c.num_layers and i + 1 in hidden_layers:
-                take(i + 1, split_k.total(x, residual.dtype) + residual, hidden_at)
+                take(i + 1, x + residual, hidden_at)
         final = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused, name="norm")
 
-        def rows(a: jax.Array | SplitK, at: jax.Array) -> jax.Array | SplitK:
-            return split_k.take_rows(a, at, c.hidden_size)
+        def rows(a: jax.Array, at: jax.Array) -> jax.Array:
+            return a.reshape(-1, c.hidden_size)[at]
 
         if c.num_layers in hidden_layers:
             take(c.num_layers, final(rows(x, hidden_at), rows(residual, hidden_at))[1], None)

@@ -24,10 +24,8 @@ from paxkv.model.attention import attend
 from paxkv.model.batch import StepBatch
 from paxkv.model.dense import (DenseCache, dense_forward, dense_forward_jit,  # noqa: F401
                                greedy_generate, grouped_attention, init_cache)
-from paxkv.model import split_k
 from paxkv.model.layers import INIT_STD, Llama, params_dtype
 from paxkv.model.rope import apply_rope, cos_sin
-from paxkv.model.split_k import SplitK
 
 Params = Any  # nested dict of arrays, the Linen "params" collection
 
@@ -64,14 +62,13 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     # On the GPU kernels' backend, on one device, the small per-layer work runs as fused
     # Pallas kernels (residual add + norm; RoPE + KV write; `Llama.fused`).
     fused = backend == "pallas" and mesh is None
-    dtype = params_dtype(params)
     if fused:
         cos, sin = cos_sin(batch.positions, cfg)
 
     def write_and_attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
                          batch: StepBatch) -> tuple[jax.Array, KVPool]:
         if fused:   # q holds the packed, unrotated q/k/v heads (`Attention.packed_qkv`)
-            q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping, dtype)
+            q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping)
         else:
             pool = kv_pool_lib.write(pool, layer, k, v, batch.slot_mapping)
         k_scale = None if pool.k_scale is None else pool.k_scale[layer]
@@ -88,33 +85,28 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
         from paxkv.parallel.attention import per_device
         paged_attention = per_device(write_and_attend, batch, mesh)
 
-    model = Llama(cfg, dtype, fused=fused)
+    model = Llama(cfg, params_dtype(params), fused=fused)
     logits_at = None if all_logits else batch.logits_indices
     return model.apply({"params": params}, batch.token_ids, batch.positions, paged_attention,
                        kv_pool, logits_at=logits_at, hidden_at=hidden_at,
                        hidden_layers=hidden_layers)
 
 
-def _rotate_and_write(layer: int, qkv: jax.Array | SplitK, cos: jax.Array, sin: jax.Array,
-                      pool: KVPool, slot_mapping: jax.Array,
-                      dtype: Any) -> tuple[jax.Array, KVPool]:
-    """RoPE on the packed q/k/v heads `[T, Hq + 2 Hkv, d]` (or their split-K partial sums,
-    `split_k.SplitK`), k and v into the pool -> (rotated q in `dtype`, pool): one kernel for
-    plain pages (`pallas_kernels.layer_ops.rope_kv_write`), else the jnp rotation and the
-    pool's write."""
+def _rotate_and_write(layer: int, qkv: jax.Array, cos: jax.Array, sin: jax.Array, pool: KVPool,
+                      slot_mapping: jax.Array) -> tuple[jax.Array, KVPool]:
+    """RoPE on the packed q/k/v heads `[T, Hq + 2 Hkv, d]`, k and v into the pool -> (rotated
+    q, pool): one kernel for plain pages (`pallas_kernels.layer_ops.rope_kv_write`), else the
+    jnp rotation and the pool's write."""
     from pallas_kernels.layer_ops import rope_kv_write
     from pallas_kernels.layer_ops.rope_kv_write import split_heads, supported
-    partial_sums = isinstance(qkv, SplitK)
-    heads = qkv.partials if partial_sums else qkv
     kv_heads = pool.k[layer].shape[2]
-    q_heads = heads.shape[-2] - 2 * kv_heads
-    if not pool.quantized and supported(q_heads, kv_heads, heads.shape[-1]):
-        q, nk, nv = rope_kv_write(heads, cos, sin, slot_mapping, pool.k[layer], pool.v[layer],
-                                  interpret=jax.default_backend() != "gpu",
-                                  partial_sums=partial_sums, dtype=dtype)
+    q_heads = qkv.shape[-2] - 2 * kv_heads
+    if not pool.quantized and supported(q_heads, kv_heads, qkv.shape[-1]):
+        q, nk, nv = rope_kv_write(qkv, cos, sin, slot_mapping, pool.k[layer], pool.v[layer],
+                                  interpret=jax.default_backend() != "gpu")
         return q, pool._replace(k=kv_pool_lib.replace_layer(pool.k, layer, nk),
                                 v=kv_pool_lib.replace_layer(pool.v, layer, nv))
-    q, k, v = split_heads(split_k.total(qkv, dtype), kv_heads)
+    q, k, v = split_heads(qkv, kv_heads)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return q, kv_pool_lib.write(pool, layer, k, v, slot_mapping)
 
