@@ -35,6 +35,27 @@ def test_add_rms_norm_kernel_matches_reference(dtype, with_residual, lead, inter
     np.testing.assert_allclose(_f32(normed), _f32(want_normed), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_warps", [1, 8])
+def test_layer_kernels_match_reference_at_other_warp_counts(num_warps, interpret):
+    """The `num_warps` tuning argument changes the launch, not the result."""
+    rng = np.random.default_rng(num_warps)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    scale = jnp.asarray(rng.standard_normal(512), jnp.bfloat16)
+    got = add_rms_norm(x, res, scale, eps=1e-5, interpret=interpret, num_warps=num_warps)
+    for g, w in zip(got, add_rms_norm_reference(x, res, scale, 1e-5)):
+        np.testing.assert_allclose(_f32(g), _f32(w), rtol=1e-2, atol=1e-2)
+    qkv = jnp.asarray(rng.standard_normal((4, 12, 32)), jnp.bfloat16)
+    angles = rng.uniform(0, 300, (4, 16)).astype(np.float32)
+    slots = jnp.asarray([3, 0, 9, 14], jnp.int32)
+    pages = jnp.asarray(rng.standard_normal((4, 4, 2, 32)), jnp.bfloat16)
+    got = rope_kv_write(qkv, jnp.cos(angles), jnp.sin(angles), slots, pages, pages,
+                        interpret=interpret, num_warps=num_warps)
+    want = rope_kv_write_reference(qkv, jnp.cos(angles), jnp.sin(angles), slots, pages, pages)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_f32(g), _f32(w), rtol=8e-3, atol=8e-3)
+
+
 def test_add_rms_norm_kernel_rejects_widths_it_cannot_hold(interpret):
     x = jnp.ones((2, 96), jnp.float32)
     with pytest.raises(ValueError, match="power of two"):

@@ -44,13 +44,20 @@ def supported(hidden: int) -> bool:
     return is_power_of_two(hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def default_num_warps(hidden: int) -> int:
+    """Warps per program (one row): 4 from 1024 columns up, else 1."""
+    return 4 if hidden >= 1024 else 1
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
 def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, eps: float,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False,
+                 num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`add_rms_norm_reference` as one Pallas launch (one program per row).
 
     x, residual: `[..., hidden]` (residual None: no add, the new residual is x itself);
-    scale: `[hidden]`. The hidden width must be a power of two (`supported`).
+    scale: `[hidden]`. The hidden width must be a power of two (`supported`). `num_warps`
+    None: `default_num_warps`.
     """
     hidden = x.shape[-1]
     if not supported(hidden):
@@ -72,7 +79,8 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
     out = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),
         grid=(n,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4 if hidden >= 1024 else 1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_num_warps(hidden),
+                                             num_stages=1),
         interpret=interpret, name="paxkv_add_rms_norm",
     )(*args, scale)
     if residual is None:

@@ -81,10 +81,15 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
         v_pages_ref[slot] = v.astype(v_pages_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+def default_num_warps(q_heads: int, head_dim: int) -> int:
+    """Warps per program (one token): 4 once the query heads hold 2048 values, else 1."""
+    return 4 if q_heads * head_dim >= 2048 else 1
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
 def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
-                  k_pages: jax.Array, v_pages: jax.Array, *,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  k_pages: jax.Array, v_pages: jax.Array, *, interpret: bool = False,
+                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`rope_kv_write_reference` as one Pallas launch (one program per token): -> (rotated q
     `[T, Hq, d]`, k_pages, v_pages).
 
@@ -92,7 +97,8 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: 
     `[T, d // 2]` float32, slot_mapping
     int32 `[T]` (`block * block_size + offset`; slots outside the pool are not written), one
     layer's unquantized pages `[num_blocks, block_size, Hkv, d]` (aliased to the outputs: inside
-    a jitted step whose pool is donated they are updated in place).
+    a jitted step whose pool is donated they are updated in place). `num_warps` None:
+    `default_num_warps`.
     """
     t, heads, d = qkv.shape
     nb, bs, hkv, page_d = k_pages.shape
@@ -118,7 +124,8 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: 
                    jax.ShapeDtypeStruct((num_slots, hkv, d), k_pages.dtype),
                    jax.ShapeDtypeStruct((num_slots, hkv, d), v_pages.dtype)],
         input_output_aliases={4: 1, 5: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=4 if hq * d >= 2048 else 1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_num_warps(hq, d),
+                                             num_stages=1),
         interpret=interpret, name="paxkv_rope_kv_write",
     )(slot_mapping.astype(jnp.int32), cos.astype(jnp.float32), sin.astype(jnp.float32), qkv,
       k_pages.reshape(num_slots, hkv, d), v_pages.reshape(num_slots, hkv, d))
