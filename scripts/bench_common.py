@@ -2,7 +2,8 @@
 the run scaffolding (flags, time budget, copy bandwidth, section loop, report files).
 
 Timing: median over repeats of N back-to-back calls chained in one executable (each call's
-output is the next call's query), after compile and warm-up.
+output is the next call's query), after compile and warm-up (`time_call`); the probes'
+method, one jit of many launches dispatched a fixed number of times, is `back_to_back`.
 """
 from __future__ import annotations
 
@@ -83,6 +84,29 @@ def time_call(fn: Callable, args: tuple, reps: int = 7, target_s: float = 0.03,
             out = f(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / iters / n)
+    return statistics.median(samples)
+
+
+def back_to_back(fn: Callable, *args, reps: int = 20, trials: int = 5, donated: int = 0) -> float:
+    """Median seconds per dispatch of `fn(*args)`: after one warm-up call, `reps` dispatches
+    back to back and one wait, `trials` times (the probes' method: each dispatch is one jit
+    holding many launches). `donated`: fn donates its last `donated` arguments and returns
+    their successors as its last outputs; they are threaded through the calls."""
+    args = list(args)
+
+    def call():
+        out = fn(*args)
+        if donated:
+            args[-donated:] = out[-donated:]
+        return out
+    jax.block_until_ready(call())
+    samples = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = call()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
     return statistics.median(samples)
 
 

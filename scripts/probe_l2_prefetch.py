@@ -22,15 +22,16 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS = 8
 SHAPES = {"o_proj": (4096, 4096), "qkv_proj": (4096, 6144)}
@@ -64,18 +65,6 @@ def read(w: jax.Array, programs: int, policy: str | None) -> jax.Array:
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=INTERPRET, name="probe_l2_read",
     )(flat)
-
-
-def timed(fn, args, trials: int = 5) -> tuple[float, object]:
-    out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(REPS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / REPS)
-    return statistics.median(times), out
 
 
 def variants(count: int, programs: int, policy: str | None):
@@ -124,10 +113,9 @@ def main() -> None:
                 for label, fn in fns.items():
                     if label == "dot" and dot_us is not None:
                         continue
-                    seconds, out = timed(fn, (ws, x))
-                    times[label] = seconds / count * 1e6
+                    times[label] = back_to_back(fn, ws, x, reps=REPS) / count * 1e6
                     if label == "read":
-                        got = np.asarray([np.sum(np.asarray(o, np.float64)) for o in out])
+                        got = np.asarray([np.sum(np.asarray(o, np.float64)) for o in fn(ws, x)])
                         if not np.allclose(got, want, rtol=1e-3, atol=1e-1 * np.sqrt(k * n)):
                             sys.exit(f"FAIL {name}: the read's sums {got[:3]} != {want[:3]}")
                 dot_us = times.get("dot", dot_us)

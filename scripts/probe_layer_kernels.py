@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +24,25 @@ import numpy as np
 from pallas_kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, rope_kv_write,
                                       rope_kv_write_reference)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
+
 ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 8, 4096, 32, 8, 128
 CALLS, REPS = 64, 10
 INTERPRET = False
 
 
-def timed(fn, args, trials: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(REPS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / REPS / CALLS * 1e6)
-    return statistics.median(times)
+def us_per_launch(fn, *args, donated: int = 0) -> float:
+    """`back_to_back` of a chain of CALLS launches, per launch, in microseconds."""
+    return back_to_back(fn, *args, reps=REPS, donated=donated) / CALLS * 1e6
+
+
+def check(label: str, got, want) -> None:
+    """Exit loudly unless every output matches its jnp reference (one bf16 rounding)."""
+    for g, r in zip(got, want):
+        if not np.allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                           rtol=1e-2, atol=1e-2):
+            sys.exit(f"FAIL {label}")
 
 
 def norm_chain(num_warps: int | None):
@@ -100,36 +102,22 @@ def main() -> None:
     for w in warps:
         label = "xla" if w == 0 else f"pallas, {w} warps"
         if w:
-            got = add_rms_norm(x, residual, scale, eps=1e-5, interpret=INTERPRET, num_warps=w)
-            for g, r in zip(got, want_norm):
-                if not np.allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   rtol=1e-2, atol=1e-2):
-                    sys.exit(f"FAIL add_rms_norm num_warps={w}")
-        us = timed(norm_chain(w), (x, residual, scale))
+            check(f"add_rms_norm num_warps={w}",
+                  add_rms_norm(x, residual, scale, eps=1e-5, interpret=INTERPRET, num_warps=w),
+                  want_norm)
+        us = us_per_launch(norm_chain(w), x, residual, scale)
         rows.append({"kernel": "add_rms_norm", "variant": label, "num_warps": w, "us": us})
         print(f"add_rms_norm  [{ROWS}, {HIDDEN}]   {label:18s} {us:6.2f} us", flush=True)
     for w in [v for v in warps if v <= 8]:
         label = "xla" if w == 0 else f"pallas, {w} warps"
         if w:
-            got = rope_kv_write(qkv, cos, sin, slots, jnp.zeros(page_shape, bf16),
-                                jnp.zeros(page_shape, bf16), interpret=INTERPRET, num_warps=w)
-            for g, r in zip(got, want_rope):
-                if not np.allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   rtol=1e-2, atol=1e-2):
-                    sys.exit(f"FAIL rope_kv_write num_warps={w}")
-        fn = rope_chain(w)
-        # the pages are donated: thread them through the repetitions
-        k_pages, v_pages = jnp.zeros(page_shape, bf16), jnp.zeros(page_shape, bf16)
-        out, k_pages, v_pages = fn(qkv, cos, sin, slots, k_pages, v_pages)
-        jax.block_until_ready(out)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(REPS):
-                out, k_pages, v_pages = fn(qkv, cos, sin, slots, k_pages, v_pages)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t) / REPS / CALLS * 1e6)
-        us = statistics.median(times)
+            check(f"rope_kv_write num_warps={w}",
+                  rope_kv_write(qkv, cos, sin, slots, jnp.zeros(page_shape, bf16),
+                                jnp.zeros(page_shape, bf16), interpret=INTERPRET, num_warps=w),
+                  want_rope)
+        # the chain donates the pages: back_to_back threads them through the calls
+        us = us_per_launch(rope_chain(w), qkv, cos, sin, slots, jnp.zeros(page_shape, bf16),
+                           jnp.zeros(page_shape, bf16), donated=2)
         rows.append({"kernel": "rope_kv_write", "variant": label, "num_warps": w, "us": us})
         print(f"rope_kv_write [{ROWS}, {HEADS + 2 * KV_HEADS}, {HEAD_DIM}] {label:18s} {us:6.2f} us",
               flush=True)

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.layer_ops import add_rms_norm, add_rms_norm_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_thin_matmuls import back_to_back  # noqa: E402  (the same timing method)
+from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS = 8
 HIDDEN = 4096

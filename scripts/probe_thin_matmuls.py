@@ -17,9 +17,7 @@ that jit is dispatched REPS times back to back, then one wait; time per matrix =
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,21 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
+
 M = 8
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 REPS = 20
-
-
-def back_to_back(fn, *args, reps=REPS, trials=5):
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(reps):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t) / reps)
-    return statistics.median(out)
 
 
 def gemv(x, w, *, bn, bk, warps, stages, splits=1, transposed=False):
