@@ -4,6 +4,7 @@ of the host over a third repetition (where the host time of a step goes).
 
     PYTHONPATH=. python3 scripts/diagnose_one_stream.py
     PYTHONPATH=<another commit's paxkv>:. python3 scripts/diagnose_one_stream.py   # compare commits
+    PYTHONPATH=. python3 scripts/diagnose_one_stream.py --noprofile   # the timed runs only
 """
 import cProfile, pstats, sys, time, io, os
 t0 = time.perf_counter()
@@ -21,6 +22,8 @@ for rep in range(2):
     s = eng.metrics.summary()
     print(f"rep{rep} tok/s {512/el:.1f} host_share {s.get('host_share'):.3f} compile_s {s.get('compile_s'):.2f}", flush=True)
 print("async", getattr(eng, "async_scheduling", None), "needs_sync?", eng._needs_sync() if hasattr(eng, "_needs_sync") else None)
+if "--noprofile" in sys.argv:
+    sys.exit(0)
 pr = cProfile.Profile(); pr.enable()
 t = time.perf_counter(); llm.generate([prompt], sp, use_tqdm=False); el = time.perf_counter() - t
 pr.disable()

@@ -3,36 +3,53 @@ fresh processes without editing the library.
 
     PYTHONPATH=. python3 scripts/diagnose_variants.py base
     PYTHONPATH=. python3 scripts/diagnose_variants.py rope2+ppcb2
+    PYTHONPATH=. python3 scripts/diagnose_variants.py splits1 scripts/profile_step.py --model llama3-8b ...
+
+A second argument names another script to run under the variant (its own arguments follow).
 
 Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
-kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `base` (nothing).
+kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
 """
+import importlib
 import runpy
 import sys
+
+
+def _module(name: str):
+    """The module itself: `import a.b.c as m` would bind the jitted function that the
+    package's `__init__` exports under the module's own name."""
+    return importlib.import_module(name)
 
 
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
     if name.startswith("rope"):
-        import pallas_kernels.layer_ops.rope_kv_write as module
+        module = _module("pallas_kernels.layer_ops.rope_kv_write")
         warps = int(name[4:])
         module.default_num_warps = lambda q_heads, head_dim: warps
     elif name.startswith("norm"):
-        import pallas_kernels.layer_ops.add_rms_norm as module
+        module = _module("pallas_kernels.layer_ops.add_rms_norm")
         warps = int(name[4:])
         module.default_num_warps = lambda hidden: warps
     elif name.startswith("ppcb"):
-        import pallas_kernels.paged_attention.paged_attention as module
+        module = _module("pallas_kernels.paged_attention.paged_attention")
         pages = int(name[4:])
         module.default_pages_per_compute_block = lambda block_size: pages
+    elif name.startswith("splits"):
+        module = _module("pallas_kernels.paged_attention.paged_attention")
+        splits = int(name[6:])
+        module.choose_num_splits = lambda *args, **kwargs: splits
     elif name != "base":
-        raise SystemExit(f"unknown variant {name!r} (ropeN, normN, ppcbN, base)")
+        raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 
 
 if __name__ == "__main__":
     names = sys.argv[1].split("+") if len(sys.argv) > 1 else ["base"]
     for n in names:
         apply(n)
-    print("variant", "+".join(names), flush=True)
-    sys.argv = ["diagnose_one_stream.py"]
-    runpy.run_path("scripts/diagnose_one_stream.py", run_name="__main__")
+    print("variant", "+".join(names), "from",
+          _module("pallas_kernels.paged_attention.paged_attention").__file__, flush=True)
+    script = sys.argv[2] if len(sys.argv) > 2 else "scripts/diagnose_one_stream.py"
+    sys.argv = [script] + sys.argv[3:]
+    runpy.run_path(script, run_name="__main__")

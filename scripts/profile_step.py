@@ -250,5 +250,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # appended, so a tree first on PYTHONPATH (another commit's, for an A/B) is the one run
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     app.run(main)

@@ -114,3 +114,18 @@ def test_combine_kernel_matches_jnp(num_splits, interpret):
     got_bf16 = combine_splits_kernel(o_part, lse, out_dtype=jnp.bfloat16, interpret=interpret)
     assert got_bf16.dtype == jnp.bfloat16
     np.testing.assert_allclose(_f32(got_bf16), _f32(want), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_warps", [0, -4, 3])
+def test_layer_kernels_refuse_warp_counts_they_cannot_launch(num_warps, interpret):
+    """A bad `num_warps` names the field instead of falling back to the default."""
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="num_warps"):
+        add_rms_norm(x, None, jnp.ones((64,), jnp.float32), eps=1e-5, interpret=interpret,
+                     num_warps=num_warps)
+    qkv = jnp.ones((2, 12, 32), jnp.float32)
+    cos = jnp.ones((2, 16), jnp.float32)
+    pages = jnp.zeros((4, 4, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match="num_warps"):
+        rope_kv_write(qkv, cos, cos, jnp.asarray([0, 1], jnp.int32), pages, pages,
+                      interpret=interpret, num_warps=num_warps)

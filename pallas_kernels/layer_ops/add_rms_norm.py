@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.paging import is_power_of_two
+from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_warps
 
 
 def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.Array,
@@ -79,8 +79,9 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
     out = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),
         grid=(n,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_num_warps(hidden),
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=resolve_num_warps(num_warps, default_num_warps(hidden)),
+            num_stages=1),
         interpret=interpret, name="paxkv_add_rms_norm",
     )(*args, scale)
     if residual is None:

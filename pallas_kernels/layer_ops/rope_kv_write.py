@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.paging import is_power_of_two
+from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_warps
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
@@ -124,8 +124,9 @@ def rope_kv_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: 
                    jax.ShapeDtypeStruct((num_slots, hkv, d), k_pages.dtype),
                    jax.ShapeDtypeStruct((num_slots, hkv, d), v_pages.dtype)],
         input_output_aliases={4: 1, 5: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_num_warps(hq, d),
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=resolve_num_warps(num_warps, default_num_warps(hq, d)),
+            num_stages=1),
         interpret=interpret, name="paxkv_rope_kv_write",
     )(slot_mapping.astype(jnp.int32), cos.astype(jnp.float32), sin.astype(jnp.float32), qkv,
       k_pages.reshape(num_slots, hkv, d), v_pages.reshape(num_slots, hkv, d))

@@ -22,6 +22,17 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def resolve_num_warps(requested: int | None, default: int) -> int:
+    """`requested` warps per program, or `default` where None; 0, negative or non-power-of-two
+    counts are refused rather than silently replaced."""
+    if requested is None:
+        return default
+    if (isinstance(requested, bool) or not isinstance(requested, int)
+            or not is_power_of_two(requested)):
+        raise ValueError(f"num_warps must be a power of two >= 1, got {requested!r}")
+    return requested
+
+
 def tile_rows(query_rows: int) -> int:
     """Rows of a program's query tile: a power of two, at least the 16 a dot needs."""
     return max(16, next_power_of_two(query_rows))
