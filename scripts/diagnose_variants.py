@@ -12,6 +12,7 @@ kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
 """
 import importlib
+import os
 import runpy
 import sys
 
@@ -48,8 +49,8 @@ if __name__ == "__main__":
     names = sys.argv[1].split("+") if len(sys.argv) > 1 else ["base"]
     for n in names:
         apply(n)
-    print("variant", "+".join(names), "from",
-          _module("pallas_kernels.paged_attention.paged_attention").__file__, flush=True)
+    source = _module("pallas_kernels.paged_attention.paged_attention").__file__
+    print("variant", "+".join(names), "from", os.path.relpath(source), flush=True)
     script = sys.argv[2] if len(sys.argv) > 2 else "scripts/diagnose_one_stream.py"
     sys.argv = [script] + sys.argv[3:]
     runpy.run_path(script, run_name="__main__")
