@@ -9,7 +9,8 @@ A second argument names another script to run under the variant (its own argumen
 
 Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `ropeapart` (RoPE
+and the KV write in their own kernel before decode attention, not inside it), `base` (nothing).
 """
 import importlib
 import os
@@ -25,7 +26,10 @@ def _module(name: str):
 
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
-    if name.startswith("rope"):
+    if name == "ropeapart":
+        module = _module("paxkv.model.pallas_backend")
+        module.fuses_rope_decode = lambda *args, **kwargs: False
+    elif name.startswith("rope"):
         module = _module("pallas_kernels.layer_ops.rope_kv_write")
         warps = int(name[4:])
         module.default_num_warps = lambda q_heads, head_dim: warps
