@@ -9,8 +9,7 @@ A second argument names another script to run under the variant (its own argumen
 
 Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `ropeapart` (RoPE
-and the KV write in their own kernel before decode attention, not inside it), `base` (nothing).
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
 """
 import importlib
 import os
@@ -26,10 +25,7 @@ def _module(name: str):
 
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
-    if name == "ropeapart":
-        module = _module("paxkv.model.pallas_backend")
-        module.fuses_rope_decode = lambda *args, **kwargs: False
-    elif name.startswith("rope"):
+    if name.startswith("rope"):
         module = _module("pallas_kernels.layer_ops.rope_kv_write")
         warps = int(name[4:])
         module.default_num_warps = lambda q_heads, head_dim: warps
