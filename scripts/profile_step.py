@@ -235,8 +235,9 @@ def main(argv):
             if "trace" in row:
                 tr = row["trace"]
                 print({k: v for k, v in tr.items() if k != "top"}, flush=True)
-                for t in tr.get("top", [])[:12]:
-                    print(f"   {t['ms_per_step']:8.3f} ms  x{t['calls_per_step']:6.1f}  {t['name']}", flush=True)
+                for t in tr.get("top", [])[:16]:
+                    print(f"   {t['ms_per_step']:8.3f} ms  x{t['calls_per_step']:6.1f}  "
+                          f"{t['mean_us']:8.2f} us  {t['name']}", flush=True)
             save()
         del llm, runner
         gc.collect()
