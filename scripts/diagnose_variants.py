@@ -9,11 +9,7 @@ A second argument names another script to run under the variant (its own argumen
 
 Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `nowarm` (no L2
-prefetch of the next weights), `warmxF` (every L2 prefetch budget times F, e.g. warmx2,
-warmx0.5), `warmextra` (prefetch from programs of its own, not the work programs' tails),
-`warmline` (per-line prefetches, not bulk), `warmchunkK` (K KiB per prefetch instruction),
-`warmprogsN` (aim for N programs of their own), `base` (nothing).
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
 """
 import importlib
 import os
@@ -45,20 +41,6 @@ def apply(name: str) -> None:
         module = _module("pallas_kernels.paged_attention.paged_attention")
         splits = int(name[6:])
         module.choose_num_splits = lambda *args, **kwargs: splits
-    elif name == "nowarm":
-        _module("pallas_kernels.layer_ops.l2_prefetch").ENABLED = False
-    elif name.startswith("warmx"):
-        module = _module("pallas_kernels.layer_ops.l2_prefetch")
-        factor = float(name[5:])
-        module.BUDGETS = {k: int(v * factor) for k, v in module.BUDGETS.items()}
-    elif name == "warmextra":
-        _module("pallas_kernels.layer_ops.l2_prefetch").PLACE = "extra"
-    elif name == "warmline":
-        _module("pallas_kernels.layer_ops.l2_prefetch").MODE = "line"
-    elif name.startswith("warmchunk"):
-        _module("pallas_kernels.layer_ops.l2_prefetch").CHUNK_BYTES = int(name[9:]) * 1024
-    elif name.startswith("warmprogs"):
-        _module("pallas_kernels.layer_ops.l2_prefetch").TARGET_PROGRAMS = int(name[9:])
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

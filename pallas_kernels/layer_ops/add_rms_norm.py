@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layer_ops import l2_prefetch
 from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_warps
 
 
@@ -27,7 +26,7 @@ def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.
     return total, (normed * scale.astype(jnp.float32)).astype(scale.dtype)
 
 
-def _add_norm(*refs, eps: float, has_residual: bool):
+def _kernel(*refs, eps: float, has_residual: bool):
     if has_residual:
         x_ref, r_ref, scale_ref, total_ref, normed_ref = refs
         total = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
@@ -50,17 +49,15 @@ def default_num_warps(hidden: int) -> int:
     return 4 if hidden >= 1024 else 1
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps", "prefetch_bytes"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
 def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, eps: float,
-                 interpret: bool = False, num_warps: int | None = None,
-                 prefetch: jax.Array | None = None,
-                 prefetch_bytes: int = 0) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False,
+                 num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`add_rms_norm_reference` as one Pallas launch (one program per row).
 
     x, residual: `[..., hidden]` (residual None: no add, the new residual is x itself);
     scale: `[hidden]`. The hidden width must be a power of two (`supported`). `num_warps`
-    None: `default_num_warps`. `prefetch`: the next matmul's weight, of which extra programs
-    bring up to `prefetch_bytes` into L2 while the rows are normalized (`l2_prefetch`).
+    None: `default_num_warps`.
     """
     hidden = x.shape[-1]
     if not supported(hidden):
@@ -70,13 +67,9 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
     lead = x.shape[:-1]
     rows = x.reshape(-1, hidden)
     n = rows.shape[0]
-    plan = l2_prefetch.kernel_plan(prefetch, prefetch_bytes, interpret, n)
-    row_spec = pl.BlockSpec((None, hidden), lambda i: (jnp.minimum(i, n - 1), 0))
+    row_spec = pl.BlockSpec((None, hidden), lambda i: (i, 0))
     args = [rows] if residual is None else [rows, residual.reshape(-1, hidden)]
     in_specs = [row_spec] * len(args) + [pl.BlockSpec((hidden,), lambda i: (0,))]
-    if plan is not None:
-        args.insert(0, prefetch)
-        in_specs.insert(0, l2_prefetch.whole(prefetch))
     normed_shape = jax.ShapeDtypeStruct((n, hidden), scale.dtype)
     if residual is None:
         out_shape, out_specs = normed_shape, row_spec
@@ -84,11 +77,8 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
         out_shape = (jax.ShapeDtypeStruct((n, hidden), x.dtype), normed_shape)
         out_specs = (row_spec, row_spec)
     out = pl.pallas_call(
-        l2_prefetch.with_prefetch_programs(
-            functools.partial(_add_norm, eps=float(eps), has_residual=residual is not None),
-            n, plan),
-        grid=(n + l2_prefetch.extra_rows(plan),), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape,
+        functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),
+        grid=(n,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
             num_warps=resolve_num_warps(num_warps, default_num_warps(hidden)),
             num_stages=1),

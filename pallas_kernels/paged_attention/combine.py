@@ -16,8 +16,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layer_ops import l2_prefetch
-
 
 def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     """Merge split partials `[B, S, Hq, d]` (normalized) with base-2 LSEs `[B, S, Hq]` (jnp)."""
@@ -44,36 +42,25 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int):
     out_ref[...] = (num / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "prefetch_bytes"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def combine_splits_kernel(o_part: jax.Array, lse: jax.Array, *, out_dtype=None,
-                          interpret: bool = False, prefetch: jax.Array | None = None,
-                          prefetch_bytes: int = 0) -> jax.Array:
+                          interpret: bool = False) -> jax.Array:
     """`combine_splits` as one Pallas launch, output in `out_dtype` (default float32).
 
     `head_dim` must be a power of two (a Triton block); the split count may be anything.
-    `prefetch`: the next matmul's weight (the o projection's), of which up to
-    `prefetch_bytes` are warmed in L2 (`layer_ops.l2_prefetch`).
     """
     batch, num_splits, num_heads, head_dim = o_part.shape
     if lse.shape != (batch, num_splits, num_heads):
         raise ValueError(f"lse must be {(batch, num_splits, num_heads)}, got {lse.shape}")
     out_dtype = jnp.dtype(out_dtype or jnp.float32)
-    plan = l2_prefetch.kernel_plan(prefetch, prefetch_bytes, interpret, batch * num_heads)
-    seq = lambda b: jnp.minimum(b, batch - 1)      # prefetch rows (b >= batch) touch no sequence
-    in_specs = [pl.BlockSpec((None, num_splits, num_heads), lambda b, h: (seq(b), 0, 0)),
-                pl.BlockSpec((None, num_splits, None, head_dim), lambda b, h: (seq(b), 0, h, 0))]
-    args = [lse, o_part]
-    if plan is not None:
-        in_specs.insert(0, l2_prefetch.whole(prefetch))
-        args.insert(0, prefetch)
     return pl.pallas_call(
-        l2_prefetch.with_prefetch_programs(
-            functools.partial(_combine_kernel, num_splits=num_splits), batch, plan, (num_heads,)),
-        grid=(batch + l2_prefetch.extra_rows(plan, (num_heads,)), num_heads),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, head_dim), lambda b, h: (seq(b), h, 0)),
+        functools.partial(_combine_kernel, num_splits=num_splits),
+        grid=(batch, num_heads),
+        in_specs=[pl.BlockSpec((None, num_splits, num_heads), lambda b, h: (b, 0, 0)),
+                  pl.BlockSpec((None, num_splits, None, head_dim), lambda b, h: (b, 0, h, 0))],
+        out_specs=pl.BlockSpec((None, None, head_dim), lambda b, h: (b, h, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name=f"paxkv_combine_splits_s{num_splits}",
-    )(*args)
+    )(lse, o_part)

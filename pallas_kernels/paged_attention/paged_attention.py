@@ -172,7 +172,7 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret, prefetch=None, prefetch_bytes=0):
+                 num_warps, num_stages, dot_dtype, interpret):
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     rows = paging.tile_rows(group)
@@ -222,8 +222,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     )(*args)
     if num_splits == 1:
         return outs[0]
-    return combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret,
-                                 prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+    return combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, layout):
@@ -254,7 +253,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
-    "pages_layout", "backend", "dot_dtype", "warp_specialized", "interpret", "prefetch_bytes"))
+    "pages_layout", "backend", "dot_dtype", "warp_specialized", "interpret"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
@@ -262,8 +261,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     num_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                     pages_layout: str = "blocks_first", backend: str = "auto",
                     dot_dtype: str | None = None, warp_specialized: bool | None = None,
-                    interpret: bool = False, prefetch: jax.Array | None = None,
-                    prefetch_bytes: int = 0) -> jax.Array:
+                    interpret: bool = False) -> jax.Array:
     """Decode attention of one query token per sequence over its paged KV cache.
 
     Args:
@@ -291,8 +289,6 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       warp_specialized: Mosaic GPU only: one producer warpgroup issuing the TMA copies
         beside the compute warpgroup (default `mosaic_decode.WARP_SPECIALIZED`).
       interpret: run in Pallas interpret mode (CPU tests; Mosaic GPU needs JAX >= 0.12).
-      prefetch: the next matmul's weight, of which the Triton path's split combine warms up
-        to `prefetch_bytes` in L2 (`layer_ops.l2_prefetch`; nothing without splits).
     Returns:
       `[batch, q_heads, head_dim]` in `q.dtype`.
     """
@@ -345,5 +341,4 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         context_lens, layout=pages_layout, block_size=block_size, num_kv_heads=num_kv_heads,
         pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages,
-        dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret,
-        prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+        dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret)

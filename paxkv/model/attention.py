@@ -57,15 +57,12 @@ def reference_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ba
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch, *,
            scale: float, backend: str = "reference", decode_only: bool = False,
-           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-           prefetch: dict | None = None) -> jax.Array:
-    """Dispatch to a backend. `decode_only` (static) says every sequence has one new token.
-    `prefetch` ("pallas" only): the next weight for its kernels to warm in L2."""
+           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+    """Dispatch to a backend. `decode_only` (static) says every sequence has one new token."""
     if backend == "reference":
         return reference_attention(q, k_pages, v_pages, batch, scale, k_scale, v_scale)
     if backend == "pallas":
         from paxkv.model import pallas_backend  # GPU kernels; imported only when asked for
         return pallas_backend.attend(q, k_pages, v_pages, batch, scale=scale,
-                                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale,
-                                     prefetch=prefetch)
+                                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
     raise ValueError(f"unknown attention backend {backend!r}")

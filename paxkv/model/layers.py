@@ -52,41 +52,18 @@ class AddRMSNorm(nn.Module):
     fused: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None,
-                 prefetch: dict | None = None) -> tuple[jax.Array, jax.Array]:
-        """`prefetch` (fused only): `l2_prefetch_args` for the next matmul's weight."""
+    def __call__(self, x: jax.Array, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if self.fused:
             from pallas_kernels.layer_ops import add_rms_norm
             from pallas_kernels.layer_ops.add_rms_norm import supported
             if supported(x.shape[-1]):
                 return add_rms_norm(x, residual, scale, eps=self.eps,
-                                    interpret=jax.default_backend() != "gpu", **(prefetch or {}))
+                                    interpret=jax.default_backend() != "gpu")
         total = x if residual is None else x + residual
         xf = total.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return total, (xf * scale.astype(jnp.float32)).astype(self.dtype)
-
-
-def l2_prefetch_args(module: nn.Module, site: str, rows: int, *path: str) -> dict:
-    """Keyword arguments that make a fused kernel warm L2 with the weight at `path` of
-    `module`'s parameters while it runs (`pallas_kernels.layer_ops.l2_prefetch`; `site` names
-    its budget), or {} where there is nothing to warm (initialization, another layout, a
-    step too large, interpret mode)."""
-    if module.is_initializing():
-        return {}
-    from pallas_kernels.layer_ops import l2_prefetch
-    nbytes = l2_prefetch.budget(site, rows)
-    weight = module.variables.get("params", {})
-    for key in path:
-        weight = weight.get(key) if isinstance(weight, dict) else None
-    if nbytes <= 0 or weight is None or weight.ndim != 2:
-        return {}
-    return {"prefetch": weight, "prefetch_bytes": nbytes}
-
-
-def _rows(x: jax.Array) -> int:
-    return x.size // x.shape[-1]
 
 
 def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
@@ -133,9 +110,7 @@ class Attention(nn.Module):
     With `packed_qkv` the core receives the q/k/v projection's output as it comes out of the
     fused matmul, unrotated and unsplit: `[..., Hq + 2 Hkv, d]` (q heads, k heads, v heads)
     as `q`, and None as k and v; it rotates and splits them itself (the paged engine's fused
-    RoPE + KV-write kernel reads its heads from that one buffer). It also receives
-    `prefetch=`, `l2_prefetch_args` for the o projection's weight (warmed by the decode
-    attention's split combine)."""
+    RoPE + KV-write kernel reads its heads from that one buffer)."""
 
     cfg: ModelConfig
     layer: int
@@ -148,9 +123,8 @@ class Attention(nn.Module):
         c = self.cfg
         lead = x.shape[:-1]
         if self.packed_qkv:
-            prefetch = l2_prefetch_args(self, "o", _rows(x), "o_proj", "kernel")
             out, state = attention(self.layer, _packed_qkv_heads(self, x, c, self.dtype), None,
-                                   None, state, prefetch=prefetch)
+                                   None, state)
         else:
             q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
             q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
@@ -162,30 +136,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)).
-
-    `fused`: where the down projection's weight is to be warmed in L2 (`l2_prefetch_args`),
-    the activation is a Pallas kernel that does it (`pallas_kernels.layer_ops.swiglu`)."""
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
-    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
-        prefetch = (l2_prefetch_args(self, "down", _rows(x), "down_proj", "kernel")
-                    if self.fused else {})
-        if prefetch and self.has_variable("params", "gate_up_proj"):
-            from pallas_kernels.layer_ops.swiglu import swiglu
-            kernel = self.get_variable("params", "gate_up_proj")["kernel"]
-            gate_up = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                                          (((x.ndim - 1,), (0,)), ((), ())))
-            act = swiglu(gate_up, interpret=jax.default_backend() != "gpu", **prefetch)
-        else:
-            gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-            act = nn.silu(gate) * up
-        return _linear(c.hidden_size, "down_proj", self.dtype)(act)
+        gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -206,17 +166,13 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None, cos: jax.Array, sin: jax.Array,
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, jax.Array, Any]:
         c = self.cfg
-        rows = _rows(x)
-        warm = (lambda site, *path: l2_prefetch_args(self, site, rows, *path)) if self.fused \
-            else (lambda *_: None)
-        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused, name="input_layernorm")(
-            x, residual, warm("qkv", "self_attn", "qkv_proj", "kernel"))
+        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
+                                 name="input_layernorm")(x, residual)
         h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
                              name="self_attn")(h, cos, sin, attention, state)
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
-                                 name="post_attention_layernorm")(
-            h, residual, warm("gate_up", "mlp", "gate_up_proj", "kernel"))
-        return MLP(c, self.dtype, self.fused, name="mlp")(h), residual, state
+                                 name="post_attention_layernorm")(h, residual)
+        return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
 class LMHead(nn.Module):

@@ -66,8 +66,7 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
         cos, sin = cos_sin(batch.positions, cfg)
 
     def write_and_attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
-                         batch: StepBatch, prefetch: dict | None = None
-                         ) -> tuple[jax.Array, KVPool]:
+                         batch: StepBatch) -> tuple[jax.Array, KVPool]:
         if fused:   # q holds the packed, unrotated q/k/v heads (`Attention.packed_qkv`)
             q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping)
         else:
@@ -75,14 +74,13 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
         k_scale = None if pool.k_scale is None else pool.k_scale[layer]
         v_scale = None if pool.v_scale is None else pool.v_scale[layer]
         out = attend(q, pool.k[layer], pool.v[layer], batch, scale=scale, backend=backend,
-                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale,
-                     prefetch=prefetch)
+                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
         return out, pool
 
     if mesh is None:
         def paged_attention(layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                            pool: KVPool, prefetch: dict | None = None) -> tuple[jax.Array, KVPool]:
-            return write_and_attend(layer, q, k, v, pool, batch, prefetch)
+                            pool: KVPool) -> tuple[jax.Array, KVPool]:
+            return write_and_attend(layer, q, k, v, pool, batch)
     else:   # each device writes and attends over its own KV heads
         from paxkv.parallel.attention import per_device
         paged_attention = per_device(write_and_attend, batch, mesh)

@@ -25,13 +25,11 @@ def _token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch, *,
            scale: float, decode_only: bool, k_scale: jax.Array | None = None,
-           v_scale: jax.Array | None = None, interpret: bool | None = None,
-           prefetch: dict | None = None) -> jax.Array:
+           v_scale: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
     """q `[T, Hq, d]` -> `[T, Hq, d]` over one layer's pages (see `attention.attend`).
 
     `decode_only` (static): every real sequence has one new token, at `cu_q_lens[s]`.
-    `interpret` defaults to True off the GPU. `prefetch`: `prefetch` and `prefetch_bytes`
-    for the decode kernel's split combine to warm L2 with the next weight (decode layout).
+    `interpret` defaults to True off the GPU.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -41,8 +39,7 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatc
         # per real sequence; padding rows have context 0, so the kernel writes zeros for
         # them). No gathers: they were two extra launches per layer.
         return paged_attention(q, k_pages, v_pages, batch.block_tables, batch.context_lens,
-                               k_scale, v_scale, scale=float(scale), interpret=interpret,
-                               **(prefetch or {}))
+                               k_scale, v_scale, scale=float(scale), interpret=interpret)
     if decode_only:
         # One query row per sequence (padding sequences read some row; their context is 0,
         # so the kernel writes zeros for them), then back to token order.
