@@ -9,7 +9,9 @@ A second argument names another script to run under the variant (its own argumen
 
 Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `base` (nothing).
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `xlanorm`,
+`xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
+(all three), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -41,6 +43,16 @@ def apply(name: str) -> None:
         module = _module("pallas_kernels.paged_attention.paged_attention")
         splits = int(name[6:])
         module.choose_num_splits = lambda *args, **kwargs: splits
+    elif name in ("xlanorm", "xlarope", "xlacombine", "xlasmall"):
+        if name in ("xlanorm", "xlasmall"):
+            _module("pallas_kernels.layer_ops.add_rms_norm").supported = lambda hidden: False
+        if name in ("xlarope", "xlasmall"):
+            _module("pallas_kernels.layer_ops.rope_kv_write").supported = lambda *args: False
+        if name in ("xlacombine", "xlasmall"):
+            from pallas_kernels.paged_attention.combine import combine_splits
+            _module("pallas_kernels.paged_attention.paged_attention").combine_splits_kernel = (
+                lambda o_part, lse, out_dtype=None, interpret=False:
+                combine_splits(o_part, lse).astype(out_dtype))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 
