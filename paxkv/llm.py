@@ -126,10 +126,6 @@ class LLM:
         # else holds the separate tensors, so only one copy of the weights stays resident.
         from paxkv.model.fusion import fuse_projections
         params = fuse_projections(params)
-        from paxkv.model import thin
-        if thin.wanted(platform, tensor_parallel=mesh is not None):
-            # one-stream steps read each weight with a kernel that takes it `[out, in]`
-            params = thin.transpose_projections(params)
         if tokenizer == "auto":
             from paxkv.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(path) if path is not None else None

@@ -11,10 +11,7 @@ Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (a
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
-(all three), `thinoff` (no transposed weights: XLA's matmuls), `thinxla` (transposed
-weights, XLA's matmuls), `thinnopdl`, `thinrelease`, `thinrowsN`, `thintiles=FILE` (the thin
-Mosaic matmul without PDL, releasing the next kernel early, for steps of up to N rows, with
-the best tilings of a `probe_pdl_gemv.py` run), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
+(all three), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -56,29 +53,6 @@ def apply(name: str) -> None:
             _module("pallas_kernels.paged_attention.paged_attention").combine_splits_kernel = (
                 lambda o_part, lse, out_dtype=None, interpret=False:
                 combine_splits(o_part, lse).astype(out_dtype))
-    elif name.startswith("thin"):
-        module = _module("paxkv.model.thin")
-        if name == "thinoff":          # XLA's matmuls on the [in, out] layout
-            module.ENABLED = False
-        elif name == "thinxla":        # XLA's matmuls on the transposed layout
-            module.thin_kernel_available = lambda: False
-            module.wanted = lambda platform, tensor_parallel: platform == "gpu" and not tensor_parallel
-        elif name == "thinnopdl":
-            module.PDL = False
-        elif name == "thinrelease":
-            module.RELEASE_EARLY = True
-        elif name.startswith("thintiles="):   # the best tilings a probe_pdl_gemv.py run wrote
-            import json
-            with open(name.split("=", 1)[1]) as f:
-                best = json.load(f)["best_tiling"]
-            shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-                      "down": (4096, 14336)}   # [out, in] of the Llama-3-8B projections
-            module.MEASURED_TILINGS = {shapes[k]: tuple(v) for k, v in best.items()}
-            print("thin tilings", module.MEASURED_TILINGS, flush=True)
-        elif name.startswith("thinrows"):
-            module.THIN_MAX_ROWS = int(name[8:])
-        else:
-            raise SystemExit(f"unknown variant {name!r} (see the docstring)")
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

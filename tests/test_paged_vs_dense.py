@@ -100,19 +100,3 @@ def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
     assert "decode" in kinds or "mixed" in kinds
-
-
-@pytest.mark.parametrize("chunks", [(5, 16, 7), (1,)], ids=["chunked", "decode"])
-def test_transposed_projections_equal_dense(params, dense_logits, chunks):
-    """The one-stream layout (`paxkv.model.thin`: every projection stored `[out, in]`) on the
-    GPU backend's path gives the dense forward's logits (on the CPU the transposed matmuls
-    are XLA's; the thin Mosaic kernel has its own test against jnp)."""
-    from paxkv.model.thin import is_transposed, transpose_projections
-    tparams = transpose_projections(fuse_projections(params))
-    assert is_transposed(tparams)
-    assert tparams["layers_1"]["mlp"]["down_proj"]["kernel_t"].shape == (CFG.hidden_size,
-                                                                        CFG.intermediate_size)
-    seqs, ref = dense_logits
-    got, _ = run_schedule(tparams, seqs, 8, chunks, seed=4, backend="pallas")
-    for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)

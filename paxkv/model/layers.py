@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from paxkv.config import ModelConfig
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
 from paxkv.model.rope import apply_rope, cos_sin
-from paxkv.model.thin import project
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -72,16 +71,6 @@ def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
                     kernel_init=nn.initializers.normal(INIT_STD))
 
 
-def _dense(module: nn.Module, x: jax.Array, features: int, name: str, dtype: Any) -> jax.Array:
-    """`_linear(features, name)(x)`, or the transposed layout's matmul where the weights
-    hold `kernel_t` (`thin.py`)."""
-    if not module.is_initializing() and module.has_variable("params", name):
-        weights = module.get_variable("params", name)
-        if "kernel_t" in weights:
-            return project(x, weights["kernel_t"], dtype)
-    return _linear(features, name, dtype)(x)
-
-
 def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: ModelConfig,
                        dtype: Any) -> tuple[jax.Array, ...]:
     """The outputs of the projections that all read `x` and that `fusion.FUSED[fused_name]`
@@ -89,10 +78,7 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
     each."""
     widths = part_widths(cfg, fused_name)
     if not module.is_initializing() and module.has_variable("params", fused_name):
-        weights = module.get_variable("params", fused_name)
-        if "kernel_t" in weights:   # the transposed layout of `thin.py`
-            return split_columns(project(x, weights["kernel_t"], dtype), widths)
-        kernel = weights["kernel"]
+        kernel = module.get_variable("params", fused_name)["kernel"]
         y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
                                 (((x.ndim - 1,), (0,)), ((), ())))
         if kernel.ndim == 3:   # the grouped (tensor-parallel) layout of fusion.py
@@ -107,11 +93,7 @@ def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: 
     lead = x.shape[:-1]
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
     if not module.is_initializing() and module.has_variable("params", "qkv_proj"):
-        weights = module.get_variable("params", "qkv_proj")
-        if "kernel_t" in weights:   # the transposed layout of `thin.py`
-            y = project(x, weights["kernel_t"], dtype)
-            return y.reshape(*lead, heads, cfg.head_dim)
-        kernel = weights["kernel"]
+        kernel = module.get_variable("params", "qkv_proj")["kernel"]
         if kernel.ndim == 2:
             y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
                                     (((x.ndim - 1,), (0,)), ((), ())))
@@ -150,7 +132,7 @@ class Attention(nn.Module):
             v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
             out, state = attention(self.layer, q, k, v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
-        return _dense(self, out, c.hidden_size, "o_proj", self.dtype), state
+        return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
 
 
 class MLP(nn.Module):
@@ -163,7 +145,7 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        return _dense(self, nn.silu(gate) * up, c.hidden_size, "down_proj", self.dtype)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
