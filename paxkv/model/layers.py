@@ -290,9 +290,10 @@ class Llama(nn.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
+        logits = side_prefetch.sink(logits.astype(jnp.float32))
         if hidden_layers:
-            return logits.astype(jnp.float32), state, jnp.stack([taken[i] for i in hidden_layers], 1)
-        return logits.astype(jnp.float32), state
+            return logits, state, jnp.stack([taken[i] for i in hidden_layers], 1)
+        return logits, state
 
 
 def params_dtype(params: Any) -> Any:
