@@ -11,10 +11,7 @@ Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (a
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
-(all three), `side=SITE:MIB,...` (the next weight asked into L2 on a second stream,
-`paxkv.model.side_prefetch.SITES`, e.g. `side=o:32,qkv:12`), `sidespread` (its ORDER
-"spread"), `sidechunkN` (its chunks of N KiB), `base` (nothing). XLA flags go in XLA_FLAGS as
-usual.
+(all three), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -56,14 +53,6 @@ def apply(name: str) -> None:
             _module("pallas_kernels.paged_attention.paged_attention").combine_splits_kernel = (
                 lambda o_part, lse, out_dtype=None, interpret=False:
                 combine_splits(o_part, lse).astype(out_dtype))
-    elif name.startswith("side="):
-        module = _module("paxkv.model.side_prefetch")
-        module.SITES = {site: int(mib) << 20 for site, mib in
-                        (part.split(":") for part in name[5:].split(","))}
-    elif name == "sidespread":
-        _module("paxkv.model.side_prefetch").ORDER = "spread"
-    elif name.startswith("sidechunk"):
-        _module("paxkv.model.side_prefetch").CHUNK_BYTES = int(name[9:]) << 10
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

@@ -100,34 +100,3 @@ def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
     assert "decode" in kinds or "mixed" in kinds
-
-
-@pytest.mark.parametrize("order", ["head", "spread"])
-def test_side_stream_prefetch_changes_no_logit(params, dense_logits, monkeypatch, order):
-    """With every weight asked into L2 beside the small kernels (`paxkv.model.side_prefetch`;
-    in interpret mode the prefetch kernel runs in line and issues nothing), the fused path
-    still equals the dense forward: the gates that order the matmuls after it change no
-    value."""
-    from pallas_kernels.layer_ops import l2_prefetch
-    from paxkv.model import side_prefetch
-    started = []
-    real = l2_prefetch.prefetch_to_l2
-    monkeypatch.setattr(l2_prefetch, "prefetch_to_l2",
-                        lambda w, after, **kw: started.append(w.shape) or real(w, after, **kw))
-    monkeypatch.setattr(side_prefetch, "ENABLED", True)
-    monkeypatch.setattr(side_prefetch, "ORDER", order)
-    monkeypatch.setattr(side_prefetch, "CHUNK_BYTES", 256)
-    monkeypatch.setattr(side_prefetch, "SITES",
-                        {"qkv": 4096, "o": 1 << 20, "gate_up": 2048, "down": 1000})
-    jax.clear_caches()
-    try:
-        seqs, ref = dense_logits
-        got, kinds = run_schedule(fuse_projections(params), seqs, 8, (9, 1, 1), seed=4,
-                                  backend="pallas")
-    finally:
-        jax.clear_caches()
-    for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
-    assert "decode" in kinds
-    h, i, kv = CFG.hidden_size, CFG.intermediate_size, CFG.num_kv_heads * CFG.head_dim
-    assert set(started) == {(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)}   # all four sites

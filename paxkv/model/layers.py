@@ -23,7 +23,6 @@ kernels under tensor parallelism); every layout runs here.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -31,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
-from paxkv.model import side_prefetch
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
 from paxkv.model.rope import apply_rope, cos_sin
 
@@ -89,29 +87,17 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
     return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
-def _served_kernel(module: nn.Module, *path: str) -> jax.Array | None:
-    """The 2-D kernel at `path` under `module`'s parameters in the serving layout, or None
-    (initializing, another layout, or the tensor-parallel grouped kernels)."""
-    if module.is_initializing():
-        return None
-    node = module.variables.get("params", {})
-    for key in path:
-        if key not in node:
-            return None
-        node = node[key]
-    return node if node.ndim == 2 else None
-
-
 def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: Any) -> jax.Array:
     """The q/k/v projections of `x` as one `[..., Hq + 2 Hkv, d]` array (q, k, v heads): in
     the 2-D fused layout that is the fused matmul's output itself, else a concatenation."""
     lead = x.shape[:-1]
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    kernel = _served_kernel(module, "qkv_proj", "kernel")
-    if kernel is not None:
-        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
-                                (((x.ndim - 1,), (0,)), ((), ())))
-        return y.reshape(*lead, heads, cfg.head_dim)
+    if not module.is_initializing() and module.has_variable("params", "qkv_proj"):
+        kernel = module.get_variable("params", "qkv_proj")["kernel"]
+        if kernel.ndim == 2:
+            y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                                    (((x.ndim - 1,), (0,)), ((), ())))
+            return y.reshape(*lead, heads, cfg.head_dim)
     q, k, v = _fused_projections(module, x, "qkv_proj", cfg, dtype)
     return jnp.concatenate([q.reshape(*lead, cfg.num_heads, cfg.head_dim),
                             k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
@@ -136,13 +122,9 @@ class Attention(nn.Module):
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
         c = self.cfg
         lead = x.shape[:-1]
-        o_warmed = None
         if self.packed_qkv:
-            qkv = _packed_qkv_heads(self, x, c, self.dtype)
-            o_kernel = _served_kernel(self, "o_proj", "kernel")
-            if o_kernel is not None:
-                o_warmed = side_prefetch.start("o", o_kernel, qkv, math.prod(lead))
-            out, state = attention(self.layer, qkv, None, None, state)
+            out, state = attention(self.layer, _packed_qkv_heads(self, x, c, self.dtype), None,
+                                   None, state)
         else:
             q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
             q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
@@ -150,7 +132,6 @@ class Attention(nn.Module):
             v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
             out, state = attention(self.layer, q, k, v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
-        out = side_prefetch.gate(out, o_warmed)
         return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
 
 
@@ -163,19 +144,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
-        kernel = _served_kernel(self, "gate_up_proj", "kernel")
-        down_warmed = None
-        if kernel is not None:
-            y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                                    (((x.ndim - 1,), (0,)), ((), ())))
-            down = _served_kernel(self, "down_proj", "kernel")
-            if down is not None:
-                down_warmed = side_prefetch.start("down", down, y, math.prod(x.shape[:-1]))
-            gate, up = split_columns(y, part_widths(c, "gate_up_proj"))
-        else:
-            gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        act = side_prefetch.gate(nn.silu(gate) * up, down_warmed)
-        return _linear(c.hidden_size, "down_proj", self.dtype)(act)
+        gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -196,24 +166,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None, cos: jax.Array, sin: jax.Array,
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, jax.Array, Any]:
         c = self.cfg
-        rows = math.prod(x.shape[:-1])
-        warm = {}   # the next matmul's weight asked into L2 during each norm (fused path)
-        if self.fused:
-            for site, path in (("qkv", ("self_attn", "qkv_proj", "kernel")),
-                               ("gate_up", ("mlp", "gate_up_proj", "kernel"))):
-                warm[site] = _served_kernel(self, *path)
-        if warm.get("qkv") is not None:
-            warm["qkv"] = side_prefetch.start("qkv", warm["qkv"], x, rows)
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
                                  name="input_layernorm")(x, residual)
-        h = side_prefetch.gate(h, warm.get("qkv"))
         h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
                              name="self_attn")(h, cos, sin, attention, state)
-        if warm.get("gate_up") is not None:
-            warm["gate_up"] = side_prefetch.start("gate_up", warm["gate_up"], h, rows)
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
                                  name="post_attention_layernorm")(h, residual)
-        h = side_prefetch.gate(h, warm.get("gate_up"))
         return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
@@ -290,10 +248,9 @@ class Llama(nn.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
-        logits = side_prefetch.sink(logits.astype(jnp.float32))
         if hidden_layers:
-            return logits, state, jnp.stack([taken[i] for i in hidden_layers], 1)
-        return logits, state
+            return logits.astype(jnp.float32), state, jnp.stack([taken[i] for i in hidden_layers], 1)
+        return logits.astype(jnp.float32), state
 
 
 def params_dtype(params: Any) -> Any:
