@@ -7,11 +7,15 @@ fresh processes without editing the library.
 
 A second argument names another script to run under the variant (its own arguments follow).
 
-Variants, joined with "+": `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
+Variants, joined with "+": `ropeapart` (RoPE and the KV write in their own kernel before
+decode attention, not inside it), `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `xlanorm`,
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
+attention, N pipeline stages where they fit), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
-(all three), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
+(all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
+through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
+matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -27,7 +31,10 @@ def _module(name: str):
 
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
-    if name.startswith("rope"):
+    if name == "ropeapart":
+        module = _module("paxkv.model.pallas_backend")
+        module.fuses_rope_decode = lambda *args, **kwargs: False
+    elif name.startswith("rope"):
         module = _module("pallas_kernels.layer_ops.rope_kv_write")
         warps = int(name[4:])
         module.default_num_warps = lambda q_heads, head_dim: warps
@@ -39,6 +46,10 @@ def apply(name: str) -> None:
         module = _module("pallas_kernels.paged_attention.paged_attention")
         pages = int(name[4:])
         module.default_pages_per_compute_block = lambda block_size: pages
+    elif name.startswith("dstages"):
+        paging = _module("pallas_kernels.paged_attention.paging")
+        fit, stages = paging.fit_num_stages, int(name[7:])
+        paging.fit_num_stages = lambda requested, default, **kw: fit(requested, stages, **kw)
     elif name.startswith("splits"):
         module = _module("pallas_kernels.paged_attention.paged_attention")
         splits = int(name[6:])
@@ -53,6 +64,13 @@ def apply(name: str) -> None:
             _module("pallas_kernels.paged_attention.paged_attention").combine_splits_kernel = (
                 lambda o_part, lse, out_dtype=None, interpret=False:
                 combine_splits(o_part, lse).astype(out_dtype))
+    elif name in ("siluexp", "silutanh"):
+        import flax.linen as nn
+        import jax.numpy as jnp
+        if name == "siluexp":
+            nn.silu = lambda x: x / (1 + jnp.exp(-x))
+        else:
+            nn.silu = lambda x: x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

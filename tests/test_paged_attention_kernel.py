@@ -168,6 +168,10 @@ def test_choose_num_splits():
     assert choose_num_splits(16, 8, 512, 8) == 8
     assert choose_num_splits(256, 8, 64, 8) == 1          # plenty of programs already
     assert choose_num_splits(1, 8, 2, 8) == 1             # too short to split
+    assert choose_num_splits(1, 8, 128, 8) == 8           # one stream, a 2,048-token table
+    assert choose_num_splits(1, 8, 128, 8, max_splits=4) == 4
+    assert choose_num_splits(64, 8, 128, 8, max_splits=4) == 2   # the cap only lowers
+    assert choose_num_splits(1, 8, 128, 8, max_splits=0) == 1
 
 
 @pytest.mark.parametrize("field,kwargs", [

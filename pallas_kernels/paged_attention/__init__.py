@@ -5,8 +5,10 @@ from pallas_kernels.paged_attention.paged_attention import (
     choose_num_splits,
     default_pages_per_compute_block,
     paged_attention,
+    rope_paged_attention,
 )
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 __all__ = ["LAYOUTS", "choose_num_splits", "combine_splits", "combine_splits_kernel",
-           "default_pages_per_compute_block", "paged_attention", "paged_attention_reference"]
+           "default_pages_per_compute_block", "paged_attention", "paged_attention_reference",
+           "rope_paged_attention"]

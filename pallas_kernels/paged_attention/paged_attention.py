@@ -62,10 +62,18 @@ def _split_full_steps(page_dtype) -> bool:
     return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
+def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                    pages_per_compute_block: int, group: int,
-                   rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype):
-    """One (sequence, kv head, split): online softmax over that split's pages."""
+                   rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype,
+                   rope_heads: tuple[int, int] | None = None):
+    """One (sequence, kv head, split): online softmax over that split's pages.
+
+    With `rope_heads` (q heads, kv heads) `q_ref` holds the step's packed, unrotated q/k/v
+    heads and the program also rotates them and writes the new token's K/V
+    (`rope_paged_attention`)."""
+    if rope_heads is not None:
+        cos_ref, sin_ref, slot_ref, *refs = refs
+    k_ref, v_ref, *refs = refs
     if quantized:
         ks_ref, vs_ref, *out_refs = refs
     else:
@@ -79,8 +87,16 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     r = jnp.arange(rows, dtype=jnp.int32)
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q_rows = h * group + jnp.minimum(r, group - 1)     # padding rows repeat the last head
-    q = q_ref[q_rows[:, None], cols]
     qk_scale = scale * LOG2E
+    if rope_heads is None:
+        q = q_ref[q_rows[:, None], cols]
+        page_length = length
+    else:
+        q, k_new, v_new = _rotated_heads(q_ref, cos_ref, sin_ref, q_rows, h, *rope_heads)
+        # The new token (the sequence's last, at `length - 1`) comes from registers, not
+        # from its page, which split 0 writes while the other programs read theirs.
+        page_length = jnp.maximum(length - 1, 0)
+        with_new = (s == 0) & (length > 0)
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         # The softmax scale is folded into the query before it is rounded to `dot_dtype`
         # (it shrinks the values, far from float16's overflow).
@@ -93,7 +109,7 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     # 2,048-token table a 512-token context otherwise fell into 2 of its 8 splits, 2 loop
     # steps each. Whole loop steps per split, so no step crosses into the next split, and
     # never more pages than the table's padding gives each split (`paged_attention`).
-    length_pages = _cdiv(length, block_size)
+    length_pages = _cdiv(page_length, block_size)
     split_pages = (_cdiv(_cdiv(length_pages, num_splits), pages_per_compute_block)
                    * pages_per_compute_block)
     first_page = s * split_pages
@@ -104,14 +120,15 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
     # `block_k` tokens of the sequence. Where that pays (`_split_full_steps`), those steps
     # load K/V codes and scales unmasked and skip the logit select, and at most one masked
     # step per split follows (none when `length` is a multiple of `block_k`).
-    num_full = jnp.minimum(jnp.maximum(length - first_page * block_size, 0) // block_k, num_iters)
+    num_full = jnp.minimum(jnp.maximum(page_length - first_page * block_size, 0) // block_k,
+                           num_iters)
 
     def step(i, carry, masked: bool):
         page0 = first_page + i * pages_per_compute_block
         slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
         valid = None
         if masked:
-            valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < length
+            valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < page_length
         logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision)
         if qk_scale != 1.0:
             logits = logits * qk_scale
@@ -122,6 +139,12 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
                                    precision, guard_empty_rows=False)
 
     carry = paging.init_softmax_state(rows, head_dim)
+    if rope_heads is not None:   # split 0 starts from the new token: max = its logit, sum 1
+        new_logit = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1) * qk_scale
+        carry = (jnp.where(with_new, jnp.broadcast_to(v_new.astype(jnp.float32), (rows, head_dim)),
+                           carry[0]),
+                 jnp.where(with_new, new_logit, carry[1]),
+                 jnp.where(with_new, 1.0, carry[2]))
     if _split_full_steps(k_ref.dtype):
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
     else:
@@ -139,17 +162,59 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, block_size: 
         lse_ref = out_refs[1]
         lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)) * LOG2E, -jnp.inf)
         plgpu.store(lse_ref.at[out_rows], lse, mask=row_mask)
+    if rope_heads is not None:
+        k_out_ref, v_out_ref = out_refs[-2:]
+        slot = slot_ref[b]
+
+        @pl.when(with_new & (slot >= 0) & (slot < k_out_ref.shape[0]))
+        def _():
+            k_out_ref[pl.ds(slot, 1), :] = k_new.astype(k_out_ref.dtype)
+            v_out_ref[pl.ds(slot, 1), :] = v_new.astype(v_out_ref.dtype)
+
+
+def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads: int):
+    """From one token's packed heads `[Hq + 2 Hkv, d]`: the rotated query rows `q_rows`, the
+    rotated key and the value of KV head `h` (`[1, d]` each), in the input dtype.
+
+    Rotate-half RoPE as `paxkv.model.rope.apply_rope` (float32 math, rounded after): column
+    j pairs with column (j + d/2) mod d, the first half taking the partner with a minus.
+    """
+    head_dim = qkv_ref.shape[-1]
+    half = head_dim // 2
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    partner = (cols + half) % head_dim
+    sign = jnp.where(cols < half, -1.0, 1.0)
+    cos = cos_ref[cols % half]
+    sin = sign * sin_ref[cols % half]
+
+    def rotate(head_rows):
+        x = qkv_ref[head_rows, cols].astype(jnp.float32)
+        x_partner = qkv_ref[head_rows, partner].astype(jnp.float32)
+        return (x * cos + x_partner * sin).astype(qkv_ref.dtype)
+
+    kv_row = jnp.zeros((1, 1), jnp.int32) + (q_heads + h)
+    return rotate(q_rows[:, None]), rotate(kv_row), qkv_ref[kv_row + kv_heads, cols]
+
+
+# Most splits of the fused RoPE + KV-write decode kernel (`rope_paged_attention`), whose
+# every program rotates its query rows and key before its first page: at one Llama-3-8B
+# stream on an H200 (JAX 0.11.2, results/one_stream.md) 8 splits ran 227.5-228.2 tok/s,
+# 4 splits 238.8-239.6, 2 splits 236.3-237.7, 1 split 233.9-234.3.
+ROPE_DECODE_MAX_SPLITS = 4
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
                       pages_per_compute_block: int, num_sms: int = 132,
-                      programs_per_sm: int = 4) -> int:
+                      programs_per_sm: int = 4, max_splits: int | None = None) -> int:
     """Split count so `batch * kv_heads * splits` fills the GPU a few programs deep
     (rounded up to a power of two), while each split keeps at least two loop steps of
-    pages. Measured on an H200: B=32/ctx 1024 -> 4, B=64/2048 -> 2, B>=128 -> 1."""
+    pages, and at most `max_splits`. Measured on an H200: B=32/ctx 1024 -> 4, B=64/2048
+    -> 2, B>=128 -> 1."""
     programs = batch * num_kv_heads
     want = _cdiv(num_sms * programs_per_sm, max(programs, 1))
     cap = max(1, max_pages // (2 * pages_per_compute_block))
+    if max_splits is not None:
+        cap = max(1, min(cap, max_splits))
     splits = 1
     while splits < want and splits * 2 <= cap:
         splits *= 2
@@ -172,8 +237,11 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret):
-    batch, num_heads, head_dim = q.shape
+                 num_warps, num_stages, dot_dtype, interpret, rope=None):
+    """-> attention output `[B, Hq, d]`; with `rope` (cos, sin, slot_mapping: `q` is then the
+    packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok)."""
+    batch, packed_heads, head_dim = q.shape
+    num_heads = packed_heads - 2 * num_kv_heads if rope is not None else packed_heads
     group = num_heads // num_kv_heads
     rows = paging.tile_rows(group)
     quantized = ks_tok is not None
@@ -189,10 +257,17 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     in_specs = [
         pl.BlockSpec((batch,), lambda b, h, s: (0,)),
         pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
-        pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),
-        kv_spec, kv_spec,
+        pl.BlockSpec((None, packed_heads, head_dim), lambda b, h, s: (b, 0, 0)),
     ]
-    args = [lengths, block_tables, q, k_tok, v_tok]
+    args = [lengths, block_tables, q]
+    if rope is not None:
+        cos, sin, slot_mapping = rope
+        half_spec = pl.BlockSpec((None, head_dim // 2), lambda b, h, s: (b, 0))
+        in_specs += [half_spec, half_spec, pl.BlockSpec((batch,), lambda b, h, s: (0,))]
+        args += [cos.astype(jnp.float32), sin.astype(jnp.float32), slot_mapping.astype(jnp.int32)]
+    kv_input = len(args)
+    in_specs += [kv_spec, kv_spec]
+    args += [k_tok, v_tok]
     if quantized:
         in_specs += [scale_spec, scale_spec]
         args += [ks_tok, vs_tok]
@@ -206,23 +281,61 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
         out_specs = [pl.BlockSpec((None, None, num_heads, head_dim), lambda b, h, s: (b, s, 0, 0)),
                      pl.BlockSpec((None, None, num_heads), lambda b, h, s: (b, s, 0))]
 
+    aliases = {}
+    if rope is not None:    # the pages are written in place: aliased to two more outputs
+        aliases = {kv_input: len(out_shape), kv_input + 1: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(k_tok.shape, k_tok.dtype),
+                      jax.ShapeDtypeStruct(v_tok.shape, v_tok.dtype)]
+        out_specs += [kv_spec, kv_spec]
+
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         group=group, rows=rows, scale=scale,
-        quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype)
+        quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype,
+        rope_heads=None if rope is None else (num_heads, num_kv_heads))
+    prefix = "paxkv_paged_decode" if rope is None else "paxkv_rope_paged_decode"
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paxkv_paged_decode_bs{block_size}_ppcb{pages_per_compute_block}_s{num_splits}",
+        name=f"{prefix}_bs{block_size}_ppcb{pages_per_compute_block}_s{num_splits}",
     )(*args)
     if num_splits == 1:
-        return outs[0]
-    return combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
+        out = outs[0]
+    else:
+        out = combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
+    return out if rope is None else (out, outs[-2], outs[-1])
+
+
+def _pages_per_compute_block(requested: int | None, block_size: int) -> int:
+    ppcb = requested or default_pages_per_compute_block(block_size)
+    if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
+        raise ValueError(f"pages_per_compute_block must be a power of two with "
+                         f"block_size * pages_per_compute_block >= 16, got {ppcb}")
+    return ppcb
+
+
+def _split_plan(block_tables, batch: int, num_kv_heads: int, ppcb: int,
+                num_splits: int | None,
+                max_splits: int | None = None) -> tuple[int, int, jax.Array]:
+    """-> (splits, pages per split, block tables padded with the null block to cover them);
+    `num_splits` None: `choose_num_splits` up to `max_splits`."""
+    max_pages = block_tables.shape[1]
+    splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb,
+                                             max_splits=max_splits)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    pages_per_split = _cdiv(_cdiv(max_pages, splits), ppcb) * ppcb
+    splits = _cdiv(max_pages, pages_per_split)          # drop splits that would be empty
+    width = splits * pages_per_split
+    if width > max_pages:                               # pad with the null block
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
+    return splits, pages_per_split, block_tables
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_scale, layout):
@@ -298,22 +411,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         scale = head_dim ** -0.5
     if backend not in tuning.BACKENDS:
         raise ValueError(f"backend must be one of {tuning.BACKENDS}, got {backend!r}")
-    ppcb = pages_per_compute_block or default_pages_per_compute_block(block_size)
-    if block_size * ppcb < 16 or not paging.is_power_of_two(ppcb):
-        raise ValueError(f"pages_per_compute_block must be a power of two with "
-                         f"block_size * pages_per_compute_block >= 16, got {ppcb}")
+    ppcb = _pages_per_compute_block(pages_per_compute_block, block_size)
     max_pages = block_tables.shape[1]
     backend = tuning.resolve_backend(
         backend, interpret, lambda: tuning.decode_backend(k_pages.dtype, batch, max_pages * block_size),
         lambda: mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret))
-    splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb)
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {splits}")
-    pages_per_split = _cdiv(_cdiv(max_pages, splits), ppcb) * ppcb
-    splits = _cdiv(max_pages, pages_per_split)          # drop splits that would be empty
-    width = splits * pages_per_split
-    if width > max_pages:                               # pad with the null block
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
+    splits, pages_per_split, block_tables = _split_plan(block_tables, batch, num_kv_heads,
+                                                        ppcb, num_splits)
 
     if backend == "mosaic":
         return mosaic_decode.decode(
@@ -342,3 +446,69 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages,
         dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret"))
+def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
+                         slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         block_tables: jax.Array, context_lens: jax.Array, *,
+                         scale: float | None = None, pages_per_compute_block: int | None = None,
+                         num_splits: int | None = None, num_warps: int = 4,
+                         num_stages: int | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's RoPE, KV-page write and attention in one launch (Triton lowering).
+
+    Run apart, `layer_ops.rope_kv_write` and `paged_attention` are two of a one-stream layer's
+    thirteen kernels; here each attention program rotates its query rows and its KV head's
+    new key itself, split 0 of each (sequence, KV head) writes the new key and value into the
+    pages, and the new token enters the online softmax from registers (split 0 starts its state
+    from it), so no program reads a slot that another is writing.
+
+    Args:
+      qkv: `[batch, q_heads + 2 kv_heads, head_dim]`, each sequence's new token's unrotated
+        q/k/v heads as the fused projection lays them out (`layer_ops.rope_kv_write`).
+      cos, sin: float32 `[batch, head_dim // 2]` at the new tokens' positions.
+      slot_mapping: int32 `[batch]`, the new token's pool slot (`block * block_size + offset`).
+      k_pages, v_pages: one layer's unquantized blocks-first pages (aliased to the outputs).
+      block_tables, context_lens: as `paged_attention`; `context_lens` counts the new token,
+        the sequence's last (0: a padding row, output 0, nothing written).
+      scale, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
+      num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
+    Returns:
+      (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
+    """
+    if qkv.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"rope_paged_attention: qkv must be [batch, heads, head_dim] and the "
+                         f"pages equal 4-D shapes, got {qkv.shape}, {k_pages.shape}, "
+                         f"{v_pages.shape}")
+    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    batch, packed_heads, _ = qkv.shape
+    num_heads = packed_heads - 2 * num_kv_heads
+    if num_heads < 1:
+        raise ValueError(f"rope_paged_attention: qkv {qkv.shape} does not hold q heads and the "
+                         f"{num_kv_heads} k and v heads of the pages")
+    q_shape = jax.ShapeDtypeStruct((batch, num_heads, qkv.shape[-1]), qkv.dtype)
+    _check_inputs(q_shape, k_pages, v_pages, block_tables, context_lens, None, None,
+                  "blocks_first")
+    if cos.shape != (batch, head_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [batch={batch}, head_dim // 2={head_dim // 2}], "
+                         f"got {cos.shape} and {sin.shape}")
+    if slot_mapping.shape != (batch,):
+        raise ValueError(f"slot_mapping must be [batch={batch}], got {slot_mapping.shape}")
+    if scale is None:
+        scale = head_dim ** -0.5
+    ppcb = _pages_per_compute_block(pages_per_compute_block, block_size)
+    splits, _, block_tables = _split_plan(block_tables, batch, num_kv_heads, ppcb, num_splits,
+                                          max_splits=ROPE_DECODE_MAX_SPLITS)
+    num_stages = paging.fit_num_stages(
+        num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        rows=paging.tile_rows(num_heads // num_kv_heads), q_itemsize=jnp.dtype(qkv.dtype).itemsize)
+    out, k_tok, v_tok = _decode_call(
+        qkv, _pages_to_tokens(k_pages, "blocks_first"), _pages_to_tokens(v_pages, "blocks_first"),
+        None, None, block_tables, context_lens, layout="blocks_first", block_size=block_size,
+        num_kv_heads=num_kv_heads, pages_per_compute_block=ppcb, num_splits=splits,
+        scale=float(scale), num_warps=num_warps, num_stages=num_stages, dot_dtype=None,
+        interpret=interpret, rope=(cos, sin, slot_mapping))
+    return out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape)

@@ -60,7 +60,8 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     _check_batch(batch, kv_pool, cfg)
     scale = cfg.head_dim ** -0.5
     # On the GPU kernels' backend, on one device, the small per-layer work runs as fused
-    # Pallas kernels (residual add + norm; RoPE + KV write; `Llama.fused`).
+    # Pallas kernels (residual add + norm; RoPE + KV write, inside the attention kernel on
+    # decode steps; `Llama.fused`).
     fused = backend == "pallas" and mesh is None
     if fused:
         cos, sin = cos_sin(batch.positions, cfg)
@@ -68,6 +69,13 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     def write_and_attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
                          batch: StepBatch) -> tuple[jax.Array, KVPool]:
         if fused:   # q holds the packed, unrotated q/k/v heads (`Attention.packed_qkv`)
+            from paxkv.model import pallas_backend
+            if pallas_backend.fuses_rope_decode(q, pool.k[layer], batch, decode_only=decode_only,
+                                                quantized=pool.quantized):
+                out, nk, nv = pallas_backend.rope_attend(q, cos, sin, pool.k[layer],
+                                                         pool.v[layer], batch, scale=scale)
+                return out, pool._replace(k=kv_pool_lib.replace_layer(pool.k, layer, nk),
+                                          v=kv_pool_lib.replace_layer(pool.v, layer, nv))
             q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping)
         else:
             pool = kv_pool_lib.write(pool, layer, k, v, batch.slot_mapping)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import paged_attention, rope_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from paxkv.model.batch import StepBatch
 
@@ -51,3 +51,26 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatc
     return ragged_paged_attention(q, k_pages, v_pages, batch.block_tables, batch.context_lens,
                                   batch.cu_q_lens, k_scale, v_scale, scale=float(scale),
                                   interpret=interpret)
+
+
+def fuses_rope_decode(qkv: jax.Array, k_pages: jax.Array, batch: StepBatch, *,
+                      decode_only: bool, quantized: bool) -> bool:
+    """Whether `rope_attend` serves this step: the runner's decode layout (token s is sequence
+    s's new token), unquantized pages, heads as the RoPE kernel takes them."""
+    from pallas_kernels.layer_ops.rope_kv_write import supported
+    kv_heads = k_pages.shape[2]
+    return (decode_only and not quantized and qkv.shape[0] == batch.context_lens.shape[0]
+            and supported(qkv.shape[1] - 2 * kv_heads, kv_heads, qkv.shape[2]))
+
+
+def rope_attend(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pages: jax.Array,
+                v_pages: jax.Array, batch: StepBatch, *, scale: float,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's RoPE, KV write and attention in one kernel (`rope_paged_attention`):
+    packed unrotated heads `[S, Hq + 2 Hkv, d]` -> (`[S, Hq, d]`, k_pages, v_pages). Only where
+    `fuses_rope_decode`."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return rope_paged_attention(qkv, cos, sin, batch.slot_mapping, k_pages, v_pages,
+                                batch.block_tables, batch.context_lens, scale=float(scale),
+                                interpret=interpret)

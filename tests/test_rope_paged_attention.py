@@ -1,0 +1,126 @@
+"""The fused decode kernel (RoPE + KV-page write + attention in one launch) against the two
+steps it replaces, run by their references: `rope_kv_write_reference`, then
+`paged_attention_reference` over the pages it wrote. Fresh random inputs: permuted block
+tables, lengths ending mid-block, length 1 (the new token alone), padding rows (length 0,
+slot outside the pool), GQA 1/4/8, split-K, fp32 and bf16; interpret mode on the CPU,
+compiled on a GPU (`PAXKV_TEST_DEVICE=gpu`)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_helpers import HEAD_DIM, TOL, rel_err
+from pallas_kernels.layer_ops.rope_kv_write import rope_kv_write_reference
+from pallas_kernels.paged_attention import paged_attention_reference, rope_paged_attention
+from test_paged_attention_kernel import make_case
+
+
+def make_fused_case(seed, *, q_heads, kv_heads, block_size, max_blocks, lens, dtype):
+    """Pages and tables as `make_case`, packed q/k/v heads of each sequence's new token, its
+    rotation angles, and the slot of position `len - 1` (-1 for padding rows)."""
+    batch = len(lens)
+    _, k, v, tables, lens_ = make_case(seed, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
+                                       block_size=block_size, max_blocks=max_blocks, lens=lens,
+                                       dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    qkv = jnp.asarray(rng.standard_normal((batch, q_heads + 2 * kv_heads, HEAD_DIM)), dtype)
+    angles = rng.uniform(0, 300, (batch, HEAD_DIM // 2)).astype(np.float32)
+    t = np.asarray(tables)
+    slots = np.full((batch,), -1, np.int32)
+    for b, n in enumerate(lens):
+        if n > 0:
+            slots[b] = t[b, (n - 1) // block_size] * block_size + (n - 1) % block_size
+    return (qkv, jnp.cos(angles), jnp.sin(angles), jnp.asarray(slots), k, v, tables, lens_)
+
+
+def reference(qkv, cos, sin, slots, k, v, tables, lens):
+    """The unfused steps: rotate and write, then attend over the written pages (jnp)."""
+    nb, bs = k.shape[:2]
+    dropped = jnp.where(slots < 0, nb * bs + 1, slots)    # jnp drops out-of-range writes
+    q, k_new, v_new = rope_kv_write_reference(qkv, cos, sin, dropped, k, v)
+    return paged_attention_reference(q, k_new, v_new, tables, lens), k_new, v_new
+
+
+CASES = [
+    # (q_heads, kv_heads, block_size, max_blocks, lens, dtype, splits, ppcb)
+    (4, 4, 8, 6, [37, 1, 48, 0], jnp.float32, 1, 2),      # GQA 1, length 1, padding row
+    (8, 2, 16, 5, [33, 80, 2, 17], jnp.float32, 2, 1),    # GQA 4, split-K
+    (16, 2, 8, 8, [61, 5, 0, 64], jnp.float32, 3, 2),     # GQA 8, uneven splits
+    (8, 2, 16, 5, [79, 2, 16, 0], jnp.bfloat16, 1, 2),
+    (8, 2, 8, 64, [130, 37, 1, 0], jnp.bfloat16, 8, 2),   # contexts far shorter than the table
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
+def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block_size, max_blocks,
+                                                        lens, dtype, splits, ppcb, interpret):
+    seed = q_heads * 100 + block_size + splits
+    case = make_fused_case(seed, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
+                           max_blocks=max_blocks, lens=lens, dtype=dtype)
+    qkv, cos, sin, slots, k, v, tables, lens_ = case
+    want, want_k, want_v = reference(*case)
+    out, got_k, got_v = rope_paged_attention(qkv, cos, sin, slots, k, v, tables, lens_,
+                                             num_splits=splits, pages_per_compute_block=ppcb,
+                                             interpret=interpret)
+    assert out.shape == (len(lens), q_heads, HEAD_DIM) and out.dtype == dtype
+    real = np.asarray(lens) > 0
+    assert rel_err(out[real], want[real]) < TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(out[~real], np.float32), 0.0)
+    # the pages: the new tokens' slots hold the rotated key (to rounding: fused multiply-adds,
+    # one rounding to the dtype) and the value as it came; every other slot is unchanged
+    tol = 1e-6 if dtype == jnp.float32 else 8e-3
+    f32 = lambda x: np.asarray(x, np.float32).reshape(-1, kv_heads, HEAD_DIM)
+    written = np.asarray(slots)[real]
+    untouched = np.setdiff1d(np.arange(f32(k).shape[0]), written)
+    np.testing.assert_allclose(f32(got_k)[written], f32(want_k)[written], rtol=tol, atol=tol)
+    np.testing.assert_array_equal(f32(got_v)[written], f32(want_v)[written])
+    np.testing.assert_array_equal(f32(got_k)[untouched], f32(k)[untouched])
+    np.testing.assert_array_equal(f32(got_v)[untouched], f32(v)[untouched])
+    assert not np.allclose(f32(got_k)[written], f32(k)[written])
+
+
+def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):
+    """The new token's attention comes from registers: NaN left in its slot from before (the
+    page's old contents) must not reach the output."""
+    case = list(make_fused_case(9, q_heads=8, kv_heads=2, block_size=8, max_blocks=4,
+                                lens=[21, 8], dtype=jnp.float32))
+    want, _, _ = reference(*case)
+    flat_k = case[4].reshape(-1, *case[4].shape[2:])
+    flat_v = case[5].reshape(-1, *case[5].shape[2:])
+    case[4] = flat_k.at[case[3]].set(jnp.nan).reshape(case[4].shape)
+    case[5] = flat_v.at[case[3]].set(jnp.nan).reshape(case[5].shape)
+    out, _, _ = rope_paged_attention(*case, num_splits=2, pages_per_compute_block=2,
+                                     interpret=interpret)
+    assert bool(jnp.isfinite(out).all())
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("field,change", [
+    ("qkv", lambda a: {**a, "qkv": a["qkv"][:, :4]}),
+    ("cos and sin", lambda a: {**a, "cos": a["cos"][:, :3]}),
+    ("slot_mapping", lambda a: {**a, "slots": a["slots"][:1]}),
+    ("block_tables", lambda a: {**a, "tables": a["tables"][:1]}),
+])
+def test_fused_decode_bad_input_names_field(field, change, interpret):
+    qkv, cos, sin, slots, k, v, tables, lens = make_fused_case(
+        0, q_heads=8, kv_heads=2, block_size=8, max_blocks=4, lens=[5, 9], dtype=jnp.float32)
+    a = change(dict(qkv=qkv, cos=cos, sin=sin, slots=slots, tables=tables))
+    with pytest.raises(ValueError, match=field):
+        rope_paged_attention(a["qkv"], a["cos"], a["sin"], a["slots"], k, v, a["tables"], lens,
+                             interpret=interpret)
+
+
+def test_fused_decode_default_splits_capped(interpret):
+    """Without `num_splits` the fused kernel takes `choose_num_splits` capped at
+    `ROPE_DECODE_MAX_SPLITS` (one sequence over a wide table would get 8): still the unfused
+    steps' output, for a context that ends mid-block and spans several splits."""
+    import importlib
+    module = importlib.import_module("pallas_kernels.paged_attention.paged_attention")
+    assert module.choose_num_splits(1, 2, 64, 2) > module.ROPE_DECODE_MAX_SPLITS
+    case = make_fused_case(11, q_heads=8, kv_heads=2, block_size=8, max_blocks=64,
+                           lens=[203], dtype=jnp.float32)
+    want, want_k, _ = reference(*case)
+    out, got_k, _ = rope_paged_attention(*case, pages_per_compute_block=2, interpret=interpret)
+    assert rel_err(out, want) < TOL[jnp.float32]
+    np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-6, atol=1e-6)
