@@ -11,7 +11,8 @@ Variants, joined with "+": `ropeapart` (RoPE and the KV write in their own kerne
 decode attention, not inside it), `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
-attention, N pipeline stages where they fit), `xlanorm`,
+attention, N pipeline stages where they fit), `dwarpsN` (the fused RoPE + decode attention
+kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
 (all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
@@ -46,6 +47,11 @@ def apply(name: str) -> None:
         module = _module("pallas_kernels.paged_attention.paged_attention")
         pages = int(name[4:])
         module.default_pages_per_compute_block = lambda block_size: pages
+    elif name.startswith("dwarps"):
+        import functools
+        module = _module("paxkv.model.pallas_backend")
+        module.rope_paged_attention = functools.partial(module.rope_paged_attention,
+                                                        num_warps=int(name[6:]))
     elif name.startswith("dstages"):
         paging = _module("pallas_kernels.paged_attention.paging")
         fit, stages = paging.fit_num_stages, int(name[7:])
