@@ -124,3 +124,19 @@ def test_fused_decode_default_splits_capped(interpret):
     out, got_k, _ = rope_paged_attention(*case, pages_per_compute_block=2, interpret=interpret)
     assert rel_err(out, want) < TOL[jnp.float32]
     np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-6, atol=1e-6)
+
+
+def test_engine_fuses_rope_only_into_small_decode_steps():
+    """The model takes the fused kernel for decode steps of up to `ROPE_DECODE_MAX_ROWS`
+    rows with unquantized pages, and the separate RoPE + KV-write kernel elsewhere."""
+    from types import SimpleNamespace
+    from paxkv.model import pallas_backend as pb
+    pages = np.zeros((4, 16, 8, HEAD_DIM), np.float32)
+    def fused(rows, **kw):
+        args = dict(decode_only=True, quantized=False) | kw
+        qkv = np.zeros((rows, 32 + 16, HEAD_DIM), np.float32)
+        return pb.fuses_rope_decode(qkv, pages, SimpleNamespace(context_lens=np.zeros(rows)),
+                                    **args)
+    assert fused(1) and fused(pb.ROPE_DECODE_MAX_ROWS)
+    assert not fused(pb.ROPE_DECODE_MAX_ROWS * 2)
+    assert not fused(8, decode_only=False) and not fused(8, quantized=True)
