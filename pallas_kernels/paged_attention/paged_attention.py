@@ -199,7 +199,7 @@ def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads:
 # Most splits of the fused RoPE + KV-write decode kernel (`rope_paged_attention`), whose
 # every program rotates its query rows and key before its first page: at one Llama-3-8B
 # stream on an H200 (JAX 0.11.2, results/one_stream.md) 8 splits ran 227.5-228.2 tok/s,
-# 4 splits 238.8-239.6, 2 splits 236.3-237.7, 1 split 233.9-234.3.
+# 4 splits 238.8-239.6, 2 splits 236.3-238.8, 1 split 233.9-234.3.
 ROPE_DECODE_MAX_SPLITS = 4
 
 
