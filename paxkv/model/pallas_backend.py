@@ -56,7 +56,8 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatc
 # Decode steps of at most this many rows (the GPU's smallest decode bucket) rotate and write
 # inside the attention kernel. Measured on an H200 with Llama-3-8B (results/one_stream.md):
 # one stream 240.3 against 234.0 tok/s, but a full batch of 256 lost 1.8% (65.35 against
-# 66.57 requests/s), where thousands of attention programs each waited on their rotation.
+# 66.57 requests/s); likely, though no trace was taken there, because each of thousands of
+# attention programs waits on its own rotation before its first page load.
 ROPE_DECODE_MAX_ROWS = 8
 
 
