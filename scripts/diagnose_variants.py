@@ -16,7 +16,8 @@ kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
 (all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
-matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
+matmul), `T=qkv` / `T=qkv,gate_up` (those fused weights stored `[out, in]`, the layout of a
+checkpoint's Linear weights, and contracted over their second axis), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -28,6 +29,52 @@ def _module(name: str):
     """The module itself: `import a.b.c as m` would bind the jitted function that the
     package's `__init__` exports under the module's own name."""
     return importlib.import_module(name)
+
+
+def _store_transposed(kinds: tuple[str, ...]) -> None:
+    """Serve the fused `kinds` kernels (`qkv`, `gate_up`) as `[out, in]`: the loaded tree is
+    transposed once, and the model's 2-D matmuls contract a kernel whose first axis does not
+    match the input over its second axis instead."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    fusion = _module("paxkv.model.fusion")
+    layers = _module("paxkv.model.layers")
+    fuse = fusion.fuse_projections
+
+    def fuse_transposed(params):
+        out = dict(fuse(params))
+        for name, layer in out.items():
+            if not name.startswith("layers_"):
+                continue
+            layer = dict(layer)
+            for kind in kinds:
+                block = fusion.FUSED[f"{kind}_proj"][0]
+                entry = dict(layer[block])
+                entry[f"{kind}_proj"] = {"kernel": jnp.asarray(entry[f"{kind}_proj"]["kernel"].T)}
+                layer[block] = entry
+            out[name] = layer
+        return out
+
+    def dot_general(x, kernel, dims, *args, **kwargs):
+        ((x_axis,), (k_axis,)), batch = dims
+        if (kernel.ndim == 2 and k_axis == 0 and x.shape[x_axis] != kernel.shape[0]
+                and x.shape[x_axis] == kernel.shape[1]):
+            dims = (((x_axis,), (1,)), batch)
+        return jax.lax.dot_general(x, kernel, dims, *args, **kwargs)
+
+    class Forward(types.SimpleNamespace):
+        """`target`'s attributes, except the ones given."""
+        def __init__(self, target, **overrides):
+            super().__init__(**overrides)
+            self._target = target
+
+        def __getattr__(self, name):
+            return getattr(self._target, name)
+
+    fusion.fuse_projections = fuse_transposed
+    layers.jax = Forward(jax, lax=Forward(jax.lax, dot_general=dot_general))
 
 
 def apply(name: str) -> None:
@@ -77,6 +124,8 @@ def apply(name: str) -> None:
             nn.silu = lambda x: x / (1 + jnp.exp(-x))
         else:
             nn.silu = lambda x: x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
+    elif name.startswith("T="):
+        _store_transposed(tuple(name[2:].split(",")))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 
