@@ -7,7 +7,8 @@ fresh processes without editing the library.
 
 A second argument names another script to run under the variant (its own arguments follow).
 
-Variants, joined with "+": `ropeapart` (RoPE and the KV write in their own kernel before
+Variants, joined with "+": `combineapart` (the fused decode kernel's splits merged by the
+combine kernel after it, not by the split that finishes last), `ropeapart` (RoPE and the KV write in their own kernel before
 decode attention, not inside it), `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
@@ -79,7 +80,9 @@ def _store_transposed(kinds: tuple[str, ...]) -> None:
 
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
-    if name == "ropeapart":
+    if name == "combineapart":
+        _module("paxkv.model.pallas_backend").COMBINE_IN_KERNEL = False
+    elif name == "ropeapart":
         module = _module("paxkv.model.pallas_backend")
         module.fuses_rope_decode = lambda *args, **kwargs: False
     elif name.startswith("rope"):
