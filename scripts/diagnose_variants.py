@@ -7,8 +7,7 @@ fresh processes without editing the library.
 
 A second argument names another script to run under the variant (its own arguments follow).
 
-Variants, joined with "+": `combineapart` (the fused decode kernel's splits merged by the
-combine kernel after it, not by the split that finishes last), `ropeapart` (RoPE and the KV write in their own kernel before
+Variants, joined with "+": `ropeapart` (RoPE and the KV write in their own kernel before
 decode attention, not inside it), `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
@@ -17,8 +16,7 @@ kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
 (all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
-matmul), `T=qkv` / `T=qkv,gate_up` (those fused weights stored `[out, in]`, the layout of a
-checkpoint's Linear weights, and contracted over their second axis), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
+matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -32,57 +30,9 @@ def _module(name: str):
     return importlib.import_module(name)
 
 
-def _store_transposed(kinds: tuple[str, ...]) -> None:
-    """Serve the fused `kinds` kernels (`qkv`, `gate_up`) as `[out, in]`: the loaded tree is
-    transposed once, and the model's 2-D matmuls contract a kernel whose first axis does not
-    match the input over its second axis instead."""
-    import types
-
-    import jax
-    import jax.numpy as jnp
-    fusion = _module("paxkv.model.fusion")
-    layers = _module("paxkv.model.layers")
-    fuse = fusion.fuse_projections
-
-    def fuse_transposed(params):
-        out = dict(fuse(params))
-        for name, layer in out.items():
-            if not name.startswith("layers_"):
-                continue
-            layer = dict(layer)
-            for kind in kinds:
-                block = fusion.FUSED[f"{kind}_proj"][0]
-                entry = dict(layer[block])
-                entry[f"{kind}_proj"] = {"kernel": jnp.asarray(entry[f"{kind}_proj"]["kernel"].T)}
-                layer[block] = entry
-            out[name] = layer
-        return out
-
-    def dot_general(x, kernel, dims, *args, **kwargs):
-        ((x_axis,), (k_axis,)), batch = dims
-        if (kernel.ndim == 2 and k_axis == 0 and x.shape[x_axis] != kernel.shape[0]
-                and x.shape[x_axis] == kernel.shape[1]):
-            dims = (((x_axis,), (1,)), batch)
-        return jax.lax.dot_general(x, kernel, dims, *args, **kwargs)
-
-    class Forward(types.SimpleNamespace):
-        """`target`'s attributes, except the ones given."""
-        def __init__(self, target, **overrides):
-            super().__init__(**overrides)
-            self._target = target
-
-        def __getattr__(self, name):
-            return getattr(self._target, name)
-
-    fusion.fuse_projections = fuse_transposed
-    layers.jax = Forward(jax, lax=Forward(jax.lax, dot_general=dot_general))
-
-
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
-    if name == "combineapart":
-        _module("paxkv.model.pallas_backend").COMBINE_IN_KERNEL = False
-    elif name == "ropeapart":
+    if name == "ropeapart":
         module = _module("paxkv.model.pallas_backend")
         module.fuses_rope_decode = lambda *args, **kwargs: False
     elif name.startswith("rope"):
@@ -127,8 +77,6 @@ def apply(name: str) -> None:
             nn.silu = lambda x: x / (1 + jnp.exp(-x))
         else:
             nn.silu = lambda x: x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
-    elif name.startswith("T="):
-        _store_transposed(tuple(name[2:].split(",")))
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

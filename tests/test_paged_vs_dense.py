@@ -89,33 +89,6 @@ def test_paged_logits_equal_dense(params, dense_logits, block_size, chunks):
         assert "mixed" in kinds
 
 
-@pytest.mark.parametrize("in_kernel", [True, False], ids=["combine_in_kernel", "combine_kernel"])
-def test_fused_decode_splits_equal_dense(params, dense_logits, monkeypatch, in_kernel):
-    """Decode steps on the fused RoPE + attention kernel with each sequence's pages cut into 3
-    splits: merged by the split that finishes last (the counters threaded from layer to
-    layer) or by the combine kernel after it, the dense forward's logits either way."""
-    import importlib
-    from paxkv.model import pallas_backend
-    module = importlib.import_module("pallas_kernels.paged_attention.paged_attention")
-    monkeypatch.setattr(module, "default_pages_per_compute_block", lambda block_size: 2)
-    monkeypatch.setattr(module, "choose_num_splits", lambda *args, **kwargs: 3)
-    monkeypatch.setattr(pallas_backend, "COMBINE_IN_KERNEL", in_kernel)
-    calls = []
-    decode_call = module._decode_call
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs["num_splits"], kwargs["split_counters"] is not None))
-        return decode_call(*args, **kwargs)
-    monkeypatch.setattr(module, "_decode_call", spy)
-    seqs, ref = dense_logits
-    got, kinds = run_schedule(fuse_projections(params), seqs, 8, (1,), seed=4, backend="pallas")
-    for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
-    assert kinds == {"decode"}
-    assert calls and all(splits > 1 for splits, _ in calls)
-    assert {inline for _, inline in calls} == {in_kernel}
-
-
 @pytest.mark.parametrize("chunks", [(5, 16, 7), (9, 1, 1), (1,)], ids=["chunked", "mixed", "decode"])
 def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     """The GPU backend's path (Pallas kernels in interpret mode): attention, and the fused

@@ -80,45 +80,6 @@ def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block
     assert not np.allclose(f32(got_k)[written], f32(k)[written])
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
-def test_fused_decode_combines_splits_in_kernel(q_heads, kv_heads, block_size, max_blocks, lens,
-                                                dtype, splits, ppcb, interpret):
-    """With `split_counters` the last split to arrive merges the partials (no combine kernel):
-    the same output and pages as the unfused steps, the counters zero again, and the returned
-    counters serve a second call (the next layer's) over the pages the first one wrote."""
-    seed = q_heads * 100 + block_size + splits + 7
-    case = make_fused_case(seed, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
-                           max_blocks=max_blocks, lens=lens, dtype=dtype)
-    qkv, cos, sin, slots, k, v, tables, lens_ = case
-    real = np.asarray(lens) > 0
-    counters = jnp.zeros((len(lens), kv_heads), jnp.int32)
-    kwargs = dict(num_splits=splits, pages_per_compute_block=ppcb, interpret=interpret)
-    for layer in range(2):
-        if layer:   # the next layer: new heads, the pages as the first call left them
-            rng = np.random.default_rng(seed + 2)
-            qkv = jnp.asarray(rng.standard_normal(qkv.shape), dtype)
-            k, v = got_k, got_v
-        want, want_k, want_v = reference(qkv, cos, sin, slots, k, v, tables, lens_)
-        out, got_k, got_v, counters = rope_paged_attention(qkv, cos, sin, slots, k, v, tables,
-                                                           lens_, counters, **kwargs)
-        assert out.shape == (len(lens), q_heads, HEAD_DIM) and out.dtype == dtype
-        assert rel_err(out[real], want[real]) < TOL[dtype]
-        np.testing.assert_array_equal(np.asarray(out[~real], np.float32), 0.0)
-        np.testing.assert_array_equal(np.asarray(counters), 0)
-        tol = 1e-6 if dtype == jnp.float32 else 8e-3
-        np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32),
-                                   rtol=tol, atol=tol)
-        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-
-
-def test_fused_decode_split_counters_shape_checked(interpret):
-    case = make_fused_case(3, q_heads=8, kv_heads=2, block_size=8, max_blocks=4, lens=[5, 9],
-                           dtype=jnp.float32)
-    with pytest.raises(ValueError, match="split_counters"):
-        rope_paged_attention(*case, jnp.zeros((2, 3), jnp.int32), num_splits=2,
-                             pages_per_compute_block=2, interpret=interpret)
-
-
 def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):
     """The new token's attention comes from registers: NaN left in its slot from before (the
     page's old contents) must not reach the output."""

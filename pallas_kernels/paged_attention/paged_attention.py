@@ -65,24 +65,20 @@ def _split_full_steps(page_dtype) -> bool:
 def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                    pages_per_compute_block: int, group: int,
                    rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype,
-                   rope_heads: tuple[int, int] | None = None, inline_combine: bool = False,
-                   interpret: bool = False):
+                   rope_heads: tuple[int, int] | None = None):
     """One (sequence, kv head, split): online softmax over that split's pages.
 
     With `rope_heads` (q heads, kv heads) `q_ref` holds the step's packed, unrotated q/k/v
     heads and the program also rotates them and writes the new token's K/V
-    (`rope_paged_attention`). With `inline_combine` the split that finishes last for its
-    (sequence, KV head) merges the splits' partials itself (`_combine_if_last`)."""
+    (`rope_paged_attention`)."""
     if rope_heads is not None:
         cos_ref, sin_ref, slot_ref, *refs = refs
     k_ref, v_ref, *refs = refs
     if quantized:
-        ks_ref, vs_ref, *refs = refs
+        ks_ref, vs_ref, *out_refs = refs
     else:
         ks_ref = vs_ref = None
-    if inline_combine:
-        _, *refs = refs          # the arrival counters' input, aliased to an output below
-    out_refs = refs
+        out_refs = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     block_k = block_size * pages_per_compute_block
@@ -159,18 +155,13 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
     out = paging.normalize(acc, l)
     out_rows = h * group + r                            # distinct; masked past the group
     row_mask = r < group
-    tile_mask = jnp.broadcast_to(row_mask[:, None], (rows, head_dim))
     o_ref = out_refs[0]
-    # inline: every split's partial rows in one `[splits * q_heads, d]` buffer per sequence
-    part_rows = out_rows + s * (o_ref.shape[0] // num_splits) if inline_combine else out_rows
-    plgpu.store(o_ref.at[part_rows[:, None], cols], out.astype(o_ref.dtype), mask=tile_mask)
+    plgpu.store(o_ref.at[out_rows[:, None], cols], out.astype(o_ref.dtype),
+                mask=jnp.broadcast_to(row_mask[:, None], (rows, head_dim)))
     if num_splits > 1:
         lse_ref = out_refs[1]
         lse = jnp.where(has_keys, m + jnp.log(jnp.where(has_keys, l, 1.0)) * LOG2E, -jnp.inf)
-        plgpu.store(lse_ref.at[part_rows], lse, mask=row_mask)
-    if inline_combine:
-        _combine_if_last(o_ref, lse_ref, *out_refs[2:4], h, out_rows, cols, row_mask, tile_mask,
-                         num_splits=num_splits, barrier=not interpret)
+        plgpu.store(lse_ref.at[out_rows], lse, mask=row_mask)
     if rope_heads is not None:
         k_out_ref, v_out_ref = out_refs[-2:]
         slot = slot_ref[b]
@@ -179,44 +170,6 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
         def _():
             k_out_ref[pl.ds(slot, 1), :] = k_new.astype(k_out_ref.dtype)
             v_out_ref[pl.ds(slot, 1), :] = v_new.astype(v_out_ref.dtype)
-
-
-def _combine_if_last(o_ref, lse_ref, final_ref, count_ref, h, out_rows, cols, row_mask,
-                     tile_mask, *,
-                     num_splits: int, barrier: bool):
-    """The last of a (sequence, KV head)'s splits to arrive merges all their partials into
-    `final_ref`, so no combine kernel follows: one launch fewer per layer at one stream.
-
-    Each program has stored its partial rows and LSEs; the barrier orders every thread's
-    stores before the one acquire-release increment of the head's arrival counter, and the
-    program that sees `num_splits - 1` arrivals before its own reads the others' rows past
-    L1 (volatile loads: an earlier layer's call may have left the same addresses in this
-    SM's L1, which other SMs' stores do not update) and resets the counter to 0, so the
-    same counters serve the next layer's call. (Interpret mode runs the programs one after
-    another and has no barrier.)"""
-    if barrier:
-        plgpu.debug_barrier()
-    arrived = plgpu.atomic_add(count_ref, h, jnp.ones((), jnp.int32))
-
-    @pl.when(arrived == num_splits - 1)
-    def _():
-        num_heads = o_ref.shape[0] // num_splits
-        lses = [plgpu.load(lse_ref.at[out_rows + i * num_heads], mask=row_mask, other=-jnp.inf,
-                           volatile=True)
-                for i in range(num_splits)]
-        mx = functools.reduce(jnp.maximum, lses)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        num = den = None
-        for i in range(num_splits):
-            w = jnp.exp2(lses[i] - mx)                  # empty splits: exp2(-inf) = 0
-            part = plgpu.load(o_ref.at[(out_rows + i * num_heads)[:, None], cols],
-                              mask=tile_mask, other=0.0, volatile=True) * w[:, None]
-            num = part if num is None else num + part
-            den = w if den is None else den + w
-        out = num / jnp.where(den > 0, den, 1.0)[:, None]
-        plgpu.store(final_ref.at[out_rows[:, None], cols], out.astype(final_ref.dtype),
-                    mask=tile_mask)
-        count_ref[h] = jnp.int32(0)
 
 
 def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads: int):
@@ -284,11 +237,9 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret, rope=None, split_counters=None):
+                 num_warps, num_stages, dot_dtype, interpret, rope=None):
     """-> attention output `[B, Hq, d]`; with `rope` (cos, sin, slot_mapping: `q` is then the
-    packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok), and with
-    `split_counters` (int32 zeros `[B, Hkv]`; the splits combine in the kernel)
-    -> (output, k_tok, v_tok, split_counters)."""
+    packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok)."""
     batch, packed_heads, head_dim = q.shape
     num_heads = packed_heads - 2 * num_kv_heads if rope is not None else packed_heads
     group = num_heads // num_kv_heads
@@ -320,37 +271,19 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     if quantized:
         in_specs += [scale_spec, scale_spec]
         args += [ks_tok, vs_tok]
-    inline_combine = split_counters is not None and num_splits > 1
-    aliases = {}
-    if inline_combine:
-        if split_counters.shape != (batch, num_kv_heads):
-            raise ValueError(f"split_counters must be [batch={batch}, kv_heads={num_kv_heads}], "
-                             f"got {split_counters.shape}")
-        in_specs.append(pl.BlockSpec((None, num_kv_heads), lambda b, h, s: (b, 0)))
-        args.append(split_counters.astype(jnp.int32))
 
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype)]
         out_specs = [pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0))]
-    elif inline_combine:     # partials, LSEs, the merged output, the counters (aliased)
-        parts = num_splits * num_heads
-        out_shape = [jax.ShapeDtypeStruct((batch, parts, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, parts), jnp.float32),
-                     jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype),
-                     jax.ShapeDtypeStruct((batch, num_kv_heads), jnp.int32)]
-        out_specs = [pl.BlockSpec((None, parts, head_dim), lambda b, h, s: (b, 0, 0)),
-                     pl.BlockSpec((None, parts), lambda b, h, s: (b, 0)),
-                     pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),
-                     pl.BlockSpec((None, num_kv_heads), lambda b, h, s: (b, 0))]
-        aliases[len(args) - 1] = 3
     else:
         out_shape = [jax.ShapeDtypeStruct((batch, num_splits, num_heads, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((batch, num_splits, num_heads), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, num_heads, head_dim), lambda b, h, s: (b, s, 0, 0)),
                      pl.BlockSpec((None, None, num_heads), lambda b, h, s: (b, s, 0))]
 
+    aliases = {}
     if rope is not None:    # the pages are written in place: aliased to two more outputs
-        aliases.update({kv_input: len(out_shape), kv_input + 1: len(out_shape) + 1})
+        aliases = {kv_input: len(out_shape), kv_input + 1: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(k_tok.shape, k_tok.dtype),
                       jax.ShapeDtypeStruct(v_tok.shape, v_tok.dtype)]
         out_specs += [kv_spec, kv_spec]
@@ -359,11 +292,8 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         group=group, rows=rows, scale=scale,
         quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype,
-        rope_heads=None if rope is None else (num_heads, num_kv_heads),
-        inline_combine=inline_combine, interpret=bool(interpret))
+        rope_heads=None if rope is None else (num_heads, num_kv_heads))
     prefix = "paxkv_paged_decode" if rope is None else "paxkv_rope_paged_decode"
-    if inline_combine:
-        prefix += "_combined"
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -377,15 +307,9 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     )(*args)
     if num_splits == 1:
         out = outs[0]
-    elif inline_combine:
-        out, split_counters = outs[2], outs[3]
     else:
         out = combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
-    if rope is None:
-        return out
-    if split_counters is None:
-        return out, outs[-2], outs[-1]
-    return out, outs[-2], outs[-1], split_counters
+    return out if rope is None else (out, outs[-2], outs[-1])
 
 
 def _pages_per_compute_block(requested: int | None, block_size: int) -> int:
@@ -528,12 +452,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret"))
 def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
                          slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                         block_tables: jax.Array, context_lens: jax.Array,
-                         split_counters: jax.Array | None = None, *,
+                         block_tables: jax.Array, context_lens: jax.Array, *,
                          scale: float | None = None, pages_per_compute_block: int | None = None,
                          num_splits: int | None = None, num_warps: int = 4,
                          num_stages: int | None = None,
-                         interpret: bool = False) -> tuple[jax.Array, ...]:
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's RoPE, KV-page write and attention in one launch (Triton lowering).
 
     Run apart, `layer_ops.rope_kv_write` and `paged_attention` are two of a one-stream layer's
@@ -552,13 +475,8 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         the sequence's last (0: a padding row, output 0, nothing written).
       scale, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
       num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
-      split_counters: int32 zeros `[batch, kv_heads]`: the split that finishes last for a
-        (sequence, KV head) merges the splits itself, counting arrivals here, instead of a
-        combine kernel after this one. The kernel leaves them zero again and returns them, so
-        one array created per step can be threaded through every layer's call.
     Returns:
-      (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages), and the counters
-      last when `split_counters` is given.
+      (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
     """
     if qkv.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"rope_paged_attention: qkv must be [batch, heads, head_dim] and the "
@@ -587,10 +505,10 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
         kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
         rows=paging.tile_rows(num_heads // num_kv_heads), q_itemsize=jnp.dtype(qkv.dtype).itemsize)
-    out, k_tok, v_tok, *counters = _decode_call(
+    out, k_tok, v_tok = _decode_call(
         qkv, _pages_to_tokens(k_pages, "blocks_first"), _pages_to_tokens(v_pages, "blocks_first"),
         None, None, block_tables, context_lens, layout="blocks_first", block_size=block_size,
         num_kv_heads=num_kv_heads, pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages, dot_dtype=None,
-        interpret=interpret, rope=(cos, sin, slot_mapping), split_counters=split_counters)
-    return (out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape), *counters)
+        interpret=interpret, rope=(cos, sin, slot_mapping))
+    return out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape)

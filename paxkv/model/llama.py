@@ -65,9 +65,6 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     fused = backend == "pallas" and mesh is None
     if fused:
         cos, sin = cos_sin(batch.positions, cfg)
-    # The fused decode kernel's split-arrival counters, made by the first layer that uses
-    # them and handed from each layer's call to the next (`pallas_backend.split_counters`).
-    counters: list[Any] = []
 
     def write_and_attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, pool: KVPool,
                          batch: StepBatch) -> tuple[jax.Array, KVPool]:
@@ -75,10 +72,8 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
             from paxkv.model import pallas_backend
             if pallas_backend.fuses_rope_decode(q, pool.k[layer], batch, decode_only=decode_only,
                                                 quantized=pool.quantized):
-                if not counters:
-                    counters.append(pallas_backend.split_counters(batch, pool.k[layer]))
-                out, nk, nv, counters[0] = pallas_backend.rope_attend(
-                    q, cos, sin, pool.k[layer], pool.v[layer], batch, counters[0], scale=scale)
+                out, nk, nv = pallas_backend.rope_attend(q, cos, sin, pool.k[layer],
+                                                         pool.v[layer], batch, scale=scale)
                 return out, pool._replace(k=kv_pool_lib.replace_layer(pool.k, layer, nk),
                                           v=kv_pool_lib.replace_layer(pool.v, layer, nv))
             q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping)

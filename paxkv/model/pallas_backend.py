@@ -73,30 +73,14 @@ def fuses_rope_decode(qkv: jax.Array, k_pages: jax.Array, batch: StepBatch, *,
             and supported(qkv.shape[1] - 2 * kv_heads, kv_heads, qkv.shape[2]))
 
 
-# Whether the fused decode kernel merges its splits itself (the last split to finish for a
-# sequence and KV head combines) rather than leaving them to a combine kernel after it.
-COMBINE_IN_KERNEL = True
-
-
-def split_counters(batch: StepBatch, k_pages: jax.Array) -> jax.Array | None:
-    """The zeroed arrival counters one step threads through every layer's `rope_attend`
-    (created once per step, not per layer), or None where the splits combine in a kernel of
-    their own (`COMBINE_IN_KERNEL` off)."""
-    if not COMBINE_IN_KERNEL:
-        return None
-    return jnp.zeros((batch.context_lens.shape[0], k_pages.shape[2]), jnp.int32)
-
-
 def rope_attend(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pages: jax.Array,
-                v_pages: jax.Array, batch: StepBatch, counters: jax.Array | None, *, scale: float,
-                interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                v_pages: jax.Array, batch: StepBatch, *, scale: float,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's RoPE, KV write and attention in one kernel (`rope_paged_attention`):
-    packed unrotated heads `[S, Hq + 2 Hkv, d]` -> (`[S, Hq, d]`, k_pages, v_pages, counters).
-    Only where `fuses_rope_decode`; `counters` from `split_counters` (or the previous layer's
-    call), returned for the next layer."""
+    packed unrotated heads `[S, Hq + 2 Hkv, d]` -> (`[S, Hq, d]`, k_pages, v_pages). Only where
+    `fuses_rope_decode`."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    out, k_pages, v_pages, *rest = rope_paged_attention(
-        qkv, cos, sin, batch.slot_mapping, k_pages, v_pages, batch.block_tables,
-        batch.context_lens, counters, scale=float(scale), interpret=interpret)
-    return out, k_pages, v_pages, (rest[0] if rest else None)
+    return rope_paged_attention(qkv, cos, sin, batch.slot_mapping, k_pages, v_pages,
+                                batch.block_tables, batch.context_lens, scale=float(scale),
+                                interpret=interpret)
