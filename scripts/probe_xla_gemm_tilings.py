@@ -9,6 +9,8 @@ chain of NW such matmuls over distinct weights (400 MB together), each one's inp
 from the one before by a small fusion as in the step (so XLA cannot merge them), per tiling.
 
     PYTHONPATH=. python3 scripts/probe_xla_gemm_tilings.py --out_dir DIR [--shapes o,qkv]
+    PYTHONPATH=. python3 scripts/probe_xla_gemm_tilings.py --out_dir DIR --shapes down \
+        --budget_s 0 --dump_autotune      # XLA's pick only, its autotuning results dumped
 
 A tiling is forced with `--xla_gpu_override_gemm_autotuner` (a `TritonGemmKey` textproto) in
 XLA_FLAGS of a fresh process per tiling, persistent compilation cache off: passed as a compile
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--out_dir", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="o,qkv")
     ap.add_argument("--budget_s", type=float, default=420.0)
+    ap.add_argument("--dump_autotune", action="store_true",
+                    help="the default processes dump XLA's autotuning results to "
+                         "OUT_DIR/autotune_SHAPE_LABEL.textproto (see scripts/autotune_results.py)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--child_out", default=None)
     args = ap.parse_args()
@@ -120,8 +125,8 @@ def main() -> None:
     started = {}
     for i, (shape, cfg) in enumerate(plan):
         started.setdefault(shape, time.perf_counter())
-        last_default = cfg is None and "default" in res["shapes"][shape]
-        if time.perf_counter() - started[shape] > args.budget_s / len(shapes) and not last_default:
+        # XLA's own pick always runs, first and last; the tilings between share the budget.
+        if cfg is not None and time.perf_counter() - started[shape] > args.budget_s / len(shapes):
             res.setdefault("stopped", []).append(f"{shape}: budget, skipped {cfg}")
             continue
         label = "default" if cfg is None else "bm{}_bn{}_bk{}_sk{}_s{}_w{}".format(*cfg)
@@ -131,6 +136,9 @@ def main() -> None:
         env.pop("XLA_FLAGS", None)
         if cfg is not None:
             env["XLA_FLAGS"] = f'--xla_gpu_override_gemm_autotuner="{tiling_key(*cfg)}"'
+        elif args.dump_autotune:
+            dump = os.path.join(os.path.abspath(args.out_dir), f"autotune_{shape}_{label}.textproto")
+            env["XLA_FLAGS"] = f"--xla_gpu_dump_autotune_results_to={dump}"
         path = os.path.join(scratch, f"tiling_{shape}_{label}")
         proc = subprocess.run([sys.executable, __file__, "--child", shape, "--child_out", path],
                               env=env, capture_output=True, text=True, timeout=120)
