@@ -15,8 +15,9 @@ the engine's, and a probe's whose only matmul is the one wanted
 
 The edit is tested against a real dump (tests/test_autotune_results.py); loading an edited
 file back into the engine on the GPU has not been run yet (the next step that
-results/one_stream.md names). Plain text handling, no JAX: the format is the one JAX 0.11.2's XLA writes (`entries { key {
-target { hlo_fingerprint } } value { optimal_config { backend, backend_config { triton {...} } } } }`).
+results/one_stream.md names). Plain text handling, no JAX: the format is the one JAX
+0.11.2's XLA writes (`entries { key { target { hlo_fingerprint } } value { optimal_config {
+backend, backend_config { triton {...} } } } }`).
 """
 from __future__ import annotations
 
@@ -100,6 +101,11 @@ def set_triton(text: str, fingerprint: str, fields: dict[str, int]) -> str:
     return text[:e.start] + new_block + text[e.end:]
 
 
+def describe(e: Entry) -> str:
+    """One line per entry: fingerprint, backend, tiling fields."""
+    return " ".join([e.fingerprint, e.backend] + [f"{k}={v}" for k, v in e.config.items()])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -116,15 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with open(args.dump) as f:
         text = f.read()
-    if args.cmd == "list":
+    if args.cmd in ("list", "common"):
+        shared = None
+        if args.cmd == "common":
+            with open(args.other) as f:
+                shared = {e.fingerprint for e in parse_entries(f.read())}
         for e in parse_entries(text):
-            print(e.fingerprint, e.backend, " ".join(f"{k}={v}" for k, v in e.config.items()))
-    elif args.cmd == "common":
-        with open(args.other) as f:
-            other = {e.fingerprint for e in parse_entries(f.read())}
-        for e in parse_entries(text):
-            if e.fingerprint in other:
-                print(e.fingerprint, e.backend, " ".join(f"{k}={v}" for k, v in e.config.items()))
+            if shared is None or e.fingerprint in shared:
+                print(describe(e))
     else:
         with open(args.out, "w") as f:
             f.write(set_triton(text, args.fingerprint, parse_triton(args.triton)))
