@@ -12,17 +12,26 @@ the engine's, and a probe's whose only matmul is the one wanted
     python3 scripts/autotune_results.py common ENGINE.textproto PROBE.textproto
     python3 scripts/autotune_results.py set ENGINE.textproto --fingerprint FP \
         --triton "block_m: 128 block_n: 8 block_k: 32 num_stages: 4 num_warps: 4" --out EDITED.textproto
+    python3 scripts/autotune_results.py fusions HLO_DUMP_DIR [--rows 8]
 
-The edit is tested against a real dump (tests/test_autotune_results.py); loading an edited
-file back into the engine on the GPU has not been run yet (the next step that
-results/one_stream.md names). Plain text handling, no JAX: the format is the one JAX
-0.11.2's XLA writes (`entries { key { target { hlo_fingerprint } } value { optimal_config {
-backend, backend_config { triton {...} } } } }`).
+`fusions` is the other way to tell the entries apart: it reads the optimized HLO that
+`--xla_dump_to=DIR --xla_dump_hlo_as_text` writes in the same process as the results dump and
+prints each matmul fusion of the given row count with its projection (from the op name), its
+split of K, its output tile and contracting tile (block_m, block_k), warps and stages, which
+name its entry in the results dump (`GemmFusion.matches`). Both edit and listing are tested against real H200 dumps
+(tests/test_autotune_results.py); results/one_stream.md ("XLA's tilings in the engine") has
+the edited files loaded back into the engine. Plain text handling, no JAX: the formats are the
+ones JAX 0.11.2's XLA writes (`entries { key { target { hlo_fingerprint } } value {
+optimal_config { backend, backend_config { triton {...} } } } }`, and the
+`block_level_fusion_config` of `__triton_nested_gemm_fusion` in the HLO).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import json
+import os
 import re
 import sys
 
@@ -106,6 +115,65 @@ def describe(e: Entry) -> str:
     return " ".join([e.fingerprint, e.backend] + [f"{k}={v}" for k, v in e.config.items()])
 
 
+# Which projection a matmul fusion computes, from the op name JAX gave its dot.
+_PROJECTION_BY_OP_NAME = (("o_proj", "o"), ("down_proj", "down"), ("self_attn/dot_general", "qkv"),
+                          ("mlp/dot_general", "gate_up"), ("lm_head", "lm_head"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFusion:
+    """One Triton matmul fusion of an optimized HLO module, as compiled."""
+
+    projection: str
+    output_shape: tuple[int, ...]
+    split_k: int          # the leading axis XLA's split-K rewrite added (1: not split)
+    num_warps: int
+    num_stages: int
+    output_tile: tuple[int, ...]
+    block_k: int | None   # the dot's contracting tile
+
+    def matches(self, entry: Entry) -> bool:
+        """Whether an autotune entry's Triton tiling is the one this fusion was compiled with."""
+        return (entry.backend == "TRITON" and entry.config.get("block_m") == max(self.output_tile)
+                and entry.config.get("block_k") == self.block_k
+                and entry.config.get("num_warps") == self.num_warps
+                and entry.config.get("num_stages") == self.num_stages)
+
+
+def _computation_body(text: str, name: str) -> str:
+    """The text of computation `name` (`%name (...) -> ... {` up to its closing line)."""
+    m = re.search(r"(?m)^" + re.escape(name) + r" .*?^\}", text, re.S)
+    return m.group(0) if m else ""
+
+
+def gemm_fusions(hlo_text: str, rows: int | None = None) -> list[GemmFusion]:
+    """Every `__triton_nested_gemm_fusion` of one module's optimized HLO whose output has
+    `rows` rows (all when None), one per projection (the layers repeat the first)."""
+    out: dict[str, GemmFusion] = {}
+    for line in hlo_text.splitlines():
+        s = line.strip()
+        if not s.startswith("%") or "__triton_nested_gemm_fusion" not in s or " fusion(" not in s:
+            continue
+        dims = tuple(int(d) for d in re.search(r"= \w+\[([\d,]*)\]", s).group(1).split(",") if d)
+        if rows is not None and dims[-2] != rows:
+            continue
+        op = re.search(r'op_name="([^"]*)"', s)
+        projection = next((p for key, p in _PROJECTION_BY_OP_NAME if op and key in op.group(1)),
+                          op.group(1) if op else "?")
+        if projection in out:
+            continue
+        config = json.loads(s.split("backend_config=", 1)[1])
+        block = config["fusion_backend_config"]["block_level_fusion_config"]
+        body = _computation_body(hlo_text, re.search(r"calls=(%[\w.\-]+)", s).group(1))
+        dot = next((l for l in body.splitlines() if " dot(" in l), "")
+        k_tile = re.search(r'backend_config=\{"sizes":\["(\d+)"\]\}', dot)
+        out[projection] = GemmFusion(projection, dims, dims[0] if len(dims) == 3 else 1,
+                                     int(block["num_warps"]), int(block["num_stages"]),
+                                     tuple(int(v) for v in block["output_tiles"][0]["sizes"]),
+                                     int(k_tile.group(1)) if k_tile else None)
+    return list(out.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -119,7 +187,18 @@ def main(argv: list[str] | None = None) -> None:
     p_set.add_argument("--fingerprint", required=True)
     p_set.add_argument("--triton", required=True)
     p_set.add_argument("--out", required=True)
+    p_fus = sub.add_parser("fusions", help="the matmul fusions of an optimized-HLO dump")
+    p_fus.add_argument("hlo_dir")
+    p_fus.add_argument("--rows", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.cmd == "fusions":
+        for path in sorted(glob.glob(os.path.join(args.hlo_dir, "*after_optimizations.txt"))):
+            with open(path) as f:
+                for g in gemm_fusions(f.read(), args.rows):
+                    print(os.path.basename(path).split(".")[0], g.projection, "out", list(g.output_shape),
+                          "split_k", g.split_k, "tile", list(g.output_tile), "block_k", g.block_k,
+                          "warps", g.num_warps, "stages", g.num_stages)
+        return
     with open(args.dump) as f:
         text = f.read()
     if args.cmd in ("list", "common"):

@@ -62,3 +62,34 @@ def test_bad_edits_name_the_field(ar):
         ar.set_triton(text, native.fingerprint, {"block_m": 64})
     with pytest.raises(ValueError, match="triton"):
         ar.parse_triton("block_m: 64 block_n: 8")
+
+
+# The optimized HLO and the autotune results one engine process dumped together on the H200.
+HLO_EXCERPT = ROOT / "results" / "one_stream" / "xla_tilings" / "gemm_fusions_excerpt.hlo.txt"
+PAIRED_DUMP = ROOT / "results" / "one_stream" / "xla_tilings" / "engine_autotune_hlo_pair.textproto"
+
+
+def test_gemm_fusions_read_from_the_engines_hlo(ar):
+    fusions = {g.projection: g for g in ar.gemm_fusions(HLO_EXCERPT.read_text(), rows=8)}
+    assert set(fusions) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    # XLA's split of K (the leading axis of the partial sums) and the output shapes.
+    assert {p: g.split_k for p, g in fusions.items()} == {"qkv": 4, "o": 8, "gate_up": 1, "down": 8,
+                                                         "lm_head": 1}
+    assert fusions["gate_up"].output_shape == (8, 28672) and fusions["lm_head"].output_shape == (8, 128256)
+    assert fusions["lm_head"].block_k == 16 and fusions["lm_head"].num_warps == 2
+    assert all(g.block_k == 64 and g.num_warps == 4 and g.num_stages == 3
+               for p, g in fusions.items() if p != "lm_head")
+    assert ar.gemm_fusions(HLO_EXCERPT.read_text(), rows=16) == []
+    assert len(ar.gemm_fusions(HLO_EXCERPT.read_text(), rows=None)) == 5
+
+
+def test_each_fusion_names_its_entry_in_the_same_process_dump(ar):
+    entries = ar.parse_entries(PAIRED_DUMP.read_text())
+    fusions = {g.projection: g for g in ar.gemm_fusions(HLO_EXCERPT.read_text(), rows=8)}
+    lm_head = [e for e in entries if fusions["lm_head"].matches(e)]
+    assert len(lm_head) == 1 and lm_head[0].config["block_k"] == 16
+    # That process gave the four layer matmuls one tiling: four entries share it, so the
+    # tiling alone cannot tell them apart (what results/one_stream.md says of such dumps).
+    layer = [e for e in entries if fusions["o"].matches(e)]
+    assert len(layer) == 4 and all(fusions[p].matches(layer[0]) for p in ("qkv", "gate_up", "down"))
+    assert not fusions["lm_head"].matches(layer[0])
