@@ -17,8 +17,10 @@ the engine's, and a probe's whose only matmul is the one wanted
 `fusions` is the other way to tell the entries apart: it reads the optimized HLO that
 `--xla_dump_to=DIR --xla_dump_hlo_as_text` writes in the same process as the results dump and
 prints each matmul fusion of the given row count with its projection (from the op name), its
-split of K, its output tile and contracting tile (block_m, block_k), warps and stages, which
-name its entry in the results dump (`GemmFusion.matches`). Both edit and listing are tested against real H200 dumps
+split of K, its output tile and contracting tile (block_m, block_k), warps and stages. These
+name its entry in the results dump (`GemmFusion.matches`) unless another fusion of the module
+was given the same tiling, which happens (one engine process gave all four layer matmuls
+one). Both edit and listing are tested against real H200 dumps
 (tests/test_autotune_results.py); results/one_stream.md ("XLA's tilings in the engine") has
 the edited files loaded back into the engine. Plain text handling, no JAX: the formats are the
 ones JAX 0.11.2's XLA writes (`entries { key { target { hlo_fingerprint } } value {

@@ -1,6 +1,7 @@
-"""scripts/autotune_results.py against a real dump: the autotuning results the engine's XLA wrote
-on an H200 (results/one_stream/xla_tilings/engine_autotune.textproto). Editing one fusion's
-tiling must change that fusion's fields and nothing else in the file."""
+"""scripts/autotune_results.py against real dumps: the autotuning results the engine's XLA wrote
+on an H200 (results/one_stream/xla_tilings/engine_autotune.textproto), and the optimized HLO
+and results one process wrote together. Editing one fusion's tiling must change that fusion's
+fields and nothing else in the file; each matmul fusion read from the HLO must find its entry."""
 import importlib.util
 import pathlib
 import sys
@@ -88,8 +89,8 @@ def test_each_fusion_names_its_entry_in_the_same_process_dump(ar):
     fusions = {g.projection: g for g in ar.gemm_fusions(HLO_EXCERPT.read_text(), rows=8)}
     lm_head = [e for e in entries if fusions["lm_head"].matches(e)]
     assert len(lm_head) == 1 and lm_head[0].config["block_k"] == 16
-    # That process gave the four layer matmuls one tiling: four entries share it, so the
-    # tiling alone cannot tell them apart (what results/one_stream.md says of such dumps).
+    # That process gave the four layer matmuls one tiling: four entries share it, so here the
+    # tiling alone cannot tell them apart (the limit the script's docstring states).
     layer = [e for e in entries if fusions["o"].matches(e)]
     assert len(layer) == 4 and all(fusions[p].matches(layer[0]) for p in ("qkv", "gate_up", "down"))
     assert not fusions["lm_head"].matches(layer[0])
