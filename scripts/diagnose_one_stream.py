@@ -1,12 +1,14 @@
 """One stream of 128 in / 512 out on the Llama-3-8B preset (random bf16 weights): tokens/s in
-two timed repetitions after a warm-up, whether the engine ran asynchronously, and a cProfile
-of the host over a third repetition (where the host time of a step goes).
+two timed repetitions after a warm-up, a digest of the greedy output's token ids (variants
+that change no value print the same one, given the same matmul tilings), whether the engine ran
+asynchronously, and a cProfile of the host over a third repetition (where the host time of a
+step goes).
 
     PYTHONPATH=. python3 scripts/diagnose_one_stream.py
     PYTHONPATH=<another commit's paxkv>:. python3 scripts/diagnose_one_stream.py   # compare commits
     PYTHONPATH=. python3 scripts/diagnose_one_stream.py --noprofile   # the timed runs only
 """
-import cProfile, pstats, sys, time, io, os
+import cProfile, hashlib, pstats, sys, time, io, os
 t0 = time.perf_counter()
 from paxkv import LLM, SamplingParams
 import jax
@@ -18,9 +20,12 @@ sp = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True, detokenize
 llm.generate([prompt], sp, use_tqdm=False)
 for rep in range(2):
     eng.metrics.reset()
-    t = time.perf_counter(); llm.generate([prompt], sp, use_tqdm=False); el = time.perf_counter() - t
+    t = time.perf_counter(); out = llm.generate([prompt], sp, use_tqdm=False); el = time.perf_counter() - t
     s = eng.metrics.summary()
-    print(f"rep{rep} tok/s {512/el:.1f} host_share {s.get('host_share'):.3f} compile_s {s.get('compile_s'):.2f}", flush=True)
+    ids = list(out[0].outputs[0].token_ids)
+    digest = hashlib.sha1(repr(ids).encode()).hexdigest()[:12]
+    print(f"rep{rep} tok/s {512/el:.1f} host_share {s.get('host_share'):.3f} compile_s {s.get('compile_s'):.2f} "
+          f"tokens {digest} first {ids[:6]}", flush=True)
 print("async", getattr(eng, "async_scheduling", None), "needs_sync?", eng._needs_sync() if hasattr(eng, "_needs_sync") else None)
 if "--noprofile" in sys.argv:
     sys.exit(0)

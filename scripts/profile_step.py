@@ -16,10 +16,7 @@ projections cost at each batch size.
 """
 from __future__ import annotations
 
-import collections
 import gc
-import glob
-import gzip
 import json
 import os
 import statistics
@@ -45,63 +42,6 @@ flags.DEFINE_list("decode_bucket_mins", [], "also profile with the smallest deco
                   "set to each of these (the engine pads decode steps to a power of two, at least 8 rows on a GPU)")
 flags.DEFINE_string("out_dir", "", "where profile_step.json / .md go (default: print only)")
 flags.DEFINE_integer("tensor_parallel_size", 1, "devices the weights and KV heads are split over")
-
-# What a kernel's name says it does, for the split of a traced step (first match wins).
-KERNEL_KINDS = (("all-reduce", ("all-reduce", "allreduce", "nccl", "all_reduce")),
-                ("attention", ("paxkv_paged", "paxkv_ragged", "attention")),
-                ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "xmma", "wgmma", "sm90")))
-
-
-def kernel_kind(name: str) -> str:
-    lower = name.lower()
-    for kind, words in KERNEL_KINDS:
-        if any(w in lower for w in words):
-            return kind
-    return "other"
-
-
-def summarize_trace(trace_dir: str, steps: int) -> dict:
-    """Per-step kernel count, busy time and top kernels from a Perfetto trace of `steps` steps."""
-    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not files:
-        return {"error": "no perfetto trace written"}
-    with gzip.open(files[0], "rt") as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in pnames.items() if "/device:" in n and "CPU" not in n.upper()}
-    if not device_pids:   # CPU backend: XLA ops run on host threads
-        device_pids = {p for p, n in pnames.items() if "host" in n.lower()}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
-               and e.get("dur") is not None]
-    if not kernels:
-        return {"error": "no device events", "processes": sorted(set(pnames.values()))[:20]}
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in kernels:
-        by_name[e["name"][:90]].append(float(e["dur"]))
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
-    busy, cur_a, cur_b = 0.0, None, None
-    for a, b in spans:                       # union of the kernel intervals
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                busy += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    busy += cur_b - cur_a
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]
-    kinds: dict[str, float] = collections.defaultdict(float)
-    for name, d in by_name.items():   # per device: the trace holds every device's kernels
-        kinds[kernel_kind(name)] += sum(d) / 1e3 / steps / len(device_pids)
-    return {"processes": sorted(pnames[p] for p in device_pids),
-            "ms_per_step_per_device_by_kind": dict(kinds),
-            "kernels_per_step": len(kernels) / steps,
-            "busy_ms_per_step": busy / 1e3 / steps,
-            "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps,
-            "top": [{"name": n, "calls_per_step": len(d) / steps, "ms_per_step": sum(d) / 1e3 / steps,
-                     "mean_us": statistics.fmean(d)} for n, d in top]}
-
 
 def time_matmuls(cfg, batches: list[int], ceiling_tbps: float) -> list[dict]:
     """Each weight matmul of one layer (and the LM head) alone in XLA, bf16, at each batch."""
@@ -178,6 +118,7 @@ def profile_batch(runner, b: int) -> dict:
         row["multi_step_k"] = k_steps
         row["multi_step_ms_per_token_step"] = 1e3 * statistics.median(multi) / k_steps
     if FLAGS.trace_steps:
+        from scripts.trace_summary import summarize_trace
         with tempfile.TemporaryDirectory() as d:
             jax.profiler.start_trace(d, create_perfetto_trace=True)
             for _ in range(FLAGS.trace_steps):
@@ -234,10 +175,13 @@ def main(argv):
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
             if "trace" in row:
                 tr = row["trace"]
-                print({k: v for k, v in tr.items() if k != "top"}, flush=True)
+                print({k: v for k, v in tr.items() if k not in ("top", "boundaries")}, flush=True)
                 for t in tr.get("top", [])[:16]:
                     print(f"   {t['ms_per_step']:8.3f} ms  x{t['calls_per_step']:6.1f}  "
                           f"{t['mean_us']:8.2f} us  {t['name']}", flush=True)
+                for g in tr.get("boundaries", []):
+                    print(f"   gap {g['median_gap_us']:6.2f} us x{g['per_step']:6.1f} "
+                          f"= {g['us_per_step']:7.1f} us/step  {g['before']} -> {g['after']}", flush=True)
             save()
         del llm, runner
         gc.collect()
