@@ -16,8 +16,7 @@ kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
 (all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
-matmul), `norelease` (the small kernels before the weight matmuls do not release them
-early: `pallas_kernels.early_launch`), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
+matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
 import importlib
 import os
@@ -78,8 +77,6 @@ def apply(name: str) -> None:
             nn.silu = lambda x: x / (1 + jnp.exp(-x))
         else:
             nn.silu = lambda x: x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
-    elif name == "norelease":
-        _module("pallas_kernels.early_launch").ENABLED = False
     elif name != "base":
         raise SystemExit(f"unknown variant {name!r} (see the docstring)")
 

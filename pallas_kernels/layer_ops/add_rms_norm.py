@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import early_launch
 from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_warps
 
 
@@ -27,9 +26,7 @@ def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.
     return total, (normed * scale.astype(jnp.float32)).astype(scale.dtype)
 
 
-def _kernel(*refs, eps: float, has_residual: bool, release: bool):
-    if release:   # the matmul that reads the output may launch now (`early_launch`)
-        early_launch.release_dependents(refs[0])
+def _kernel(*refs, eps: float, has_residual: bool):
     if has_residual:
         x_ref, r_ref, scale_ref, total_ref, normed_ref = refs
         total = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
@@ -80,8 +77,7 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
         out_shape = (jax.ShapeDtypeStruct((n, hidden), x.dtype), normed_shape)
         out_specs = (row_spec, row_spec)
     out = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), has_residual=residual is not None,
-                          release=early_launch.enabled(interpret)),
+        functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),
         grid=(n,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
             num_warps=resolve_num_warps(num_warps, default_num_warps(hidden)),

@@ -16,8 +16,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import early_launch
-
 
 def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     """Merge split partials `[B, S, Hq, d]` (normalized) with base-2 LSEs `[B, S, Hq]` (jnp)."""
@@ -29,9 +27,7 @@ def combine_splits(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int, release: bool):
-    if release:   # the o matmul that reads the output may launch now (`early_launch`)
-        early_launch.release_dependents(lse_ref)
+def _combine_kernel(lse_ref, o_ref, out_ref, *, num_splits: int):
     h = pl.program_id(1)
     lses = [lse_ref[i, h] for i in range(num_splits)]
     mx = functools.reduce(jnp.maximum, lses)
@@ -58,8 +54,7 @@ def combine_splits_kernel(o_part: jax.Array, lse: jax.Array, *, out_dtype=None,
         raise ValueError(f"lse must be {(batch, num_splits, num_heads)}, got {lse.shape}")
     out_dtype = jnp.dtype(out_dtype or jnp.float32)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, num_splits=num_splits,
-                          release=early_launch.enabled(interpret)),
+        functools.partial(_combine_kernel, num_splits=num_splits),
         grid=(batch, num_heads),
         in_specs=[pl.BlockSpec((None, num_splits, num_heads), lambda b, h: (b, 0, 0)),
                   pl.BlockSpec((None, num_splits, None, head_dim), lambda b, h: (b, 0, h, 0))],

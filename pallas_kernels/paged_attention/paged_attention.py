@@ -39,7 +39,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import early_launch
 from pallas_kernels.paged_attention import mosaic_decode, paging, tuning
 from pallas_kernels.paged_attention.combine import combine_splits_kernel
 
@@ -66,7 +65,7 @@ def _split_full_steps(page_dtype) -> bool:
 def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                    pages_per_compute_block: int, group: int,
                    rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype,
-                   rope_heads: tuple[int, int] | None = None, release: bool = False):
+                   rope_heads: tuple[int, int] | None = None):
     """One (sequence, kv head, split): online softmax over that split's pages.
 
     With `rope_heads` (q heads, kv heads) `q_ref` holds the step's packed, unrotated q/k/v
@@ -80,8 +79,6 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
     else:
         ks_ref = vs_ref = None
         out_refs = refs
-    if release:   # the o matmul that reads the output may launch now (`early_launch`)
-        early_launch.release_dependents(lens_ref)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     block_k = block_size * pages_per_compute_block
@@ -295,10 +292,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         group=group, rows=rows, scale=scale,
         quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype,
-        rope_heads=None if rope is None else (num_heads, num_kv_heads),
-        # with one split the o matmul comes next; otherwise the combine kernel, which
-        # is not launched early
-        release=num_splits == 1 and early_launch.enabled(interpret))
+        rope_heads=None if rope is None else (num_heads, num_kv_heads))
     prefix = "paxkv_paged_decode" if rope is None else "paxkv_rope_paged_decode"
     outs = pl.pallas_call(
         kernel,
