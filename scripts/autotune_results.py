@@ -13,6 +13,11 @@ the engine's, and a probe's whose only matmul is the one wanted
     python3 scripts/autotune_results.py set ENGINE.textproto --fingerprint FP \
         --triton "block_m: 128 block_n: 8 block_k: 32 num_stages: 4 num_warps: 4" --out EDITED.textproto
     python3 scripts/autotune_results.py fusions HLO_DUMP_DIR [--rows 8]
+    python3 scripts/autotune_results.py thin ENGINE.textproto --tma [--stages 5] --out EDITED.textproto
+
+`thin` edits every Triton entry whose tiling has `block_n` rows (8: the one-stream decode
+step's matmuls) at once: Hopper's TMA copies allowed (`is_tma_allowed`, which XLA's autotuner
+picks for some of them in some processes and not in others) and/or another stage count.
 
 `fusions` is the other way to tell the entries apart: it reads the optimized HLO that
 `--xla_dump_to=DIR --xla_dump_hlo_as_text` writes in the same process as the results dump and
@@ -112,6 +117,28 @@ def set_triton(text: str, fingerprint: str, fields: dict[str, int]) -> str:
     return text[:e.start] + new_block + text[e.end:]
 
 
+def set_thin(text: str, block_n: int, tma: bool, stages: int | None) -> tuple[str, int]:
+    """The dump with every Triton entry of `block_n` rows given TMA (`tma`) and `stages`
+    stages (None: kept) -> (edited text, entries edited). ValueError if none has `block_n`."""
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages: must be >= 1, got {stages}")
+    out, edited, pos = [], 0, 0
+    for e in parse_entries(text):
+        if e.backend != "TRITON" or e.config.get("block_n") != block_n:
+            continue
+        block = text[e.start:e.end]
+        if stages is not None:
+            block = re.sub(r"num_stages: \d+", f"num_stages: {stages}", block, count=1)
+        if tma and "is_tma_allowed" not in block:
+            block = re.sub(r"(\n(\s*)num_ctas: \d+\n)", r"\1\2is_tma_allowed: true\n", block, count=1)
+        out += [text[pos:e.start], block]
+        pos = e.end
+        edited += 1
+    if not edited:
+        raise ValueError(f"block_n: no Triton entry has block_n {block_n}")
+    return "".join(out) + text[pos:], edited
+
+
 def describe(e: Entry) -> str:
     """One line per entry: fingerprint, backend, tiling fields."""
     return " ".join([e.fingerprint, e.backend] + [f"{k}={v}" for k, v in e.config.items()])
@@ -189,6 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     p_set.add_argument("--fingerprint", required=True)
     p_set.add_argument("--triton", required=True)
     p_set.add_argument("--out", required=True)
+    p_thin = sub.add_parser("thin", help="every entry of one row count: TMA and/or stages")
+    p_thin.add_argument("dump")
+    p_thin.add_argument("--block_n", type=int, default=8)
+    p_thin.add_argument("--tma", action="store_true")
+    p_thin.add_argument("--stages", type=int, default=None)
+    p_thin.add_argument("--out", required=True)
     p_fus = sub.add_parser("fusions", help="the matmul fusions of an optimized-HLO dump")
     p_fus.add_argument("hlo_dir")
     p_fus.add_argument("--rows", type=int, default=8)
@@ -211,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         for e in parse_entries(text):
             if shared is None or e.fingerprint in shared:
                 print(describe(e))
+    elif args.cmd == "thin":
+        edited_text, edited = set_thin(text, args.block_n, args.tma, args.stages)
+        with open(args.out, "w") as f:
+            f.write(edited_text)
+        print("wrote", args.out, "with", edited, "entries edited", file=sys.stderr)
     else:
         with open(args.out, "w") as f:
             f.write(set_triton(text, args.fingerprint, parse_triton(args.triton)))

@@ -65,6 +65,35 @@ def test_bad_edits_name_the_field(ar):
         ar.parse_triton("block_m: 64 block_n: 8")
 
 
+def test_thin_edits_every_row_count_entry_and_nothing_else(ar):
+    text = DUMP.read_text()
+    before = ar.parse_entries(text)
+    thin = {e.fingerprint for e in before if e.backend == "TRITON" and e.config.get("block_n") == 8}
+    assert len(thin) >= 4          # the layer matmuls and the LM head of the decode step
+    edited, count = ar.set_thin(text, 8, tma=True, stages=5)
+    assert count == len(thin)
+    after = ar.parse_entries(edited)
+    assert [e.fingerprint for e in after] == [e.fingerprint for e in before]
+    for b, a in zip(before, after):
+        block = edited[a.start:a.end]
+        if b.fingerprint in thin:
+            assert a.config == dict(b.config, num_stages=5)
+            assert block.count("is_tma_allowed: true") == 1
+        else:
+            assert block == text[b.start:b.end]
+    # stages kept, TMA only; and an entry that has TMA already is not given it twice
+    again, _ = ar.set_thin(edited, 8, tma=True, stages=None)
+    assert again == edited
+
+
+def test_bad_thin_edits_name_the_field(ar):
+    text = DUMP.read_text()
+    with pytest.raises(ValueError, match="block_n"):
+        ar.set_thin(text, 3, tma=True, stages=None)
+    with pytest.raises(ValueError, match="stages"):
+        ar.set_thin(text, 8, tma=False, stages=0)
+
+
 # The optimized HLO and the autotune results one engine process dumped together on the H200.
 HLO_EXCERPT = ROOT / "results" / "one_stream" / "xla_tilings" / "gemm_fusions_excerpt.hlo.txt"
 PAIRED_DUMP = ROOT / "results" / "one_stream" / "xla_tilings" / "engine_autotune_hlo_pair.textproto"
