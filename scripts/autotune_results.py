@@ -104,17 +104,21 @@ def set_triton(text: str, fingerprint: str, fields: dict[str, int]) -> str:
         raise ValueError(f"fingerprint: {fingerprint!r} is not exactly one Triton entry "
                          f"({[e.backend for e in entries]})")
     e = entries[0]
-    block = text[e.start:e.end]
-    tri = re.search(r"triton \{", block)
-    tri_end = _block_end(block, tri.end() - 1)
-    body = block[tri.end():tri_end - 1]
     unknown = set(fields) - set(e.config)
     if unknown:
         raise ValueError(f"triton: fields {sorted(unknown)} are not in the dumped tiling "
                          f"({sorted(e.config)})")
+    return text[:e.start] + _with_triton_fields(text[e.start:e.end], fields) + text[e.end:]
+
+
+def _with_triton_fields(block: str, fields: dict[str, int]) -> str:
+    """One entry's text with the numeric fields of its `triton { }` tiling that `fields` names
+    replaced in place (every line kept)."""
+    tri = re.search(r"triton \{", block)
+    tri_end = _block_end(block, tri.end() - 1)
+    body = block[tri.end():tri_end - 1]
     new_body = _FIELD.sub(lambda m: f"{m.group(1)}: {fields.get(m.group(1), int(m.group(2)))}", body)
-    new_block = block[:tri.end()] + new_body + block[tri_end - 1:]
-    return text[:e.start] + new_block + text[e.end:]
+    return block[:tri.end()] + new_body + block[tri_end - 1:]
 
 
 def set_thin(text: str, block_n: int, tma: bool, stages: int | None) -> tuple[str, int]:
@@ -128,7 +132,7 @@ def set_thin(text: str, block_n: int, tma: bool, stages: int | None) -> tuple[st
             continue
         block = text[e.start:e.end]
         if stages is not None:
-            block = re.sub(r"num_stages: \d+", f"num_stages: {stages}", block, count=1)
+            block = _with_triton_fields(block, {"num_stages": stages})
         if tma and "is_tma_allowed" not in block:
             block = re.sub(r"(\n(\s*)num_ctas: \d+\n)", r"\1\2is_tma_allowed: true\n", block, count=1)
         out += [text[pos:e.start], block]

@@ -10,6 +10,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 
 # What a kernel's name says it does, for the split of a traced step (first match wins).
@@ -27,12 +28,13 @@ def kernel_kind(name: str) -> str:
 
 
 def kernel_family(name: str) -> str:
-    """A kernel's name without XLA's numbering (`loop_reduce_fusion_94` -> `loop_reduce_fusion`),
-    so the boundaries between the same two kinds of kernel add up across layers; the weight
-    matmuls keep their numbers, which tell the projections apart."""
+    """A kernel's name without XLA's numbering (`loop_reduce_fusion_94` -> `loop_reduce_fusion`,
+    `paxkv_add_rms_norm__1` -> `paxkv_add_rms_norm`), so the boundaries between the same two
+    kinds of kernel add up across layers; numbers that belong to a name (`..._s4`: 4 splits)
+    stay, and the weight matmuls keep their numbers, which tell the projections apart."""
     if name.startswith("gemm_fusion"):
         return name
-    return name.rstrip("0123456789_.") or name
+    return re.sub(r"[_.]+\d+$", "", name) or name
 
 
 def boundary_gaps(kernels: list[dict], steps: int, top: int = 16) -> list[dict]:

@@ -37,6 +37,7 @@ def _two_steps() -> list[tuple[str, float, float]]:
 def test_kernel_family_drops_numbering_but_keeps_matmuls_apart():
     assert kernel_family("loop_reduce_fusion_94") == "loop_reduce_fusion"
     assert kernel_family("paxkv_add_rms_norm__1") == "paxkv_add_rms_norm"
+    assert kernel_family("paxkv_combine_splits_s4") == "paxkv_combine_splits_s4"
     assert kernel_family("gemm_fusion_dot_1") == "gemm_fusion_dot_1"
     assert kernel_family("gemm_fusion_dot_2") != kernel_family("gemm_fusion_dot_1")
 
