@@ -13,9 +13,7 @@ kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (
 attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
 attention, N pipeline stages where they fit), `dwarpsN` (the fused RoPE + decode attention
 kernel, N warps), `xlanorm`,
-`xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `amlp`
-(the MLP of steps of at most 8 tokens as one Pallas kernel, `atomic_mlp`), `aout` (the split
-combine inside the o projection's kernel at those steps, `atomic_out_proj`), `xlasmall`
+`xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
 (all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
 matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
@@ -54,10 +52,6 @@ def apply(name: str) -> None:
         module = _module("paxkv.model.pallas_backend")
         module.rope_paged_attention = functools.partial(module.rope_paged_attention,
                                                         num_warps=int(name[6:]))
-    elif name == "amlp":
-        _module("paxkv.model.layers").ATOMIC_MLP_MAX_ROWS = 8
-    elif name == "aout":
-        _module("paxkv.model.layers").ATOMIC_OUT_PROJ_MAX_ROWS = 8
     elif name.startswith("dstages"):
         paging = _module("pallas_kernels.paged_attention.paging")
         fit, stages = paging.fit_num_stages, int(name[7:])

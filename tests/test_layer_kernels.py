@@ -1,8 +1,7 @@
 """The small fused kernels of the GPU path (interpret mode on CPU, compiled on a GPU) against their jnp references,
 on fresh random inputs: residual add + RMSNorm, RoPE + KV-page write (slots mid-block, padding
-slots outside the pool), the split-K combine of decode attention (empty splits, split
-counts that are not powers of two), and the atomic-add kernels of small steps (the whole
-MLP; the split combine with the o projection)."""
+slots outside the pool), and the split-K combine of decode attention (empty splits, split
+counts that are not powers of two)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,10 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, rope_kv_write,
-                                      rope_kv_write_reference, swiglu_mlp, swiglu_mlp_reference)
-from pallas_kernels.layer_ops.atomic_mlp import default_tiles, supported as mlp_supported
-from pallas_kernels.layer_ops.atomic_out_proj import (merge_out_proj, merge_out_proj_reference,
-                                                      default_tiles as out_proj_tiles)
+                                      rope_kv_write_reference)
 from pallas_kernels.paged_attention import combine_splits, combine_splits_kernel
 
 
@@ -37,82 +33,6 @@ def test_add_rms_norm_kernel_matches_reference(dtype, with_residual, lead, inter
     np.testing.assert_array_equal(_f32(total), _f32(want_total))
     tol = 1e-5 if dtype == jnp.float32 else 1e-2   # one bf16 rounding of the output
     np.testing.assert_allclose(_f32(normed), _f32(want_normed), rtol=tol, atol=tol)
-
-
-def test_add_rms_norm_rounds_a_float32_branch_to_the_stream_dtype(interpret):
-    """The one-kernel MLP hands the next add a float32 output: it is rounded to the bf16
-    residual stream first, so the sum and the norm are the unfused network's."""
-    rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((5, 256)) * 3, jnp.float32)
-    res = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
-    scale = jnp.asarray(rng.standard_normal(256), jnp.bfloat16)
-    total, normed = add_rms_norm(x, res, scale, eps=1e-5, interpret=interpret)
-    want_total, want_normed = add_rms_norm_reference(x.astype(jnp.bfloat16), res, scale, 1e-5)
-    assert total.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(_f32(total), _f32(want_total))
-    np.testing.assert_allclose(_f32(normed), _f32(want_normed), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 8, 16])
-def test_swiglu_mlp_kernel_matches_reference(dtype, rows, interpret):
-    """The whole MLP in one kernel, products added with atomics, against jnp: row counts
-    that fill part of the 16-row tile, several programs and loop steps on each axis."""
-    rng = np.random.default_rng(rows * 3 + (dtype == jnp.bfloat16))
-    hidden, inter = 128, 96
-    x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
-    w_gate_up = jnp.asarray(rng.standard_normal((hidden, 2 * inter)) / hidden ** 0.5, dtype)
-    w_down = jnp.asarray(rng.standard_normal((inter, hidden)) / inter ** 0.5, dtype)
-    got = swiglu_mlp(x, w_gate_up, w_down, tile_inter=32, block_k=32, block_n=64,
-                     interpret=interpret)
-    want = swiglu_mlp_reference(x, w_gate_up, w_down)
-    assert got.shape == (rows, hidden) and got.dtype == jnp.float32
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2   # bf16: one rounding of h may differ
-    np.testing.assert_allclose(_f32(got), _f32(want), rtol=tol, atol=tol)
-
-
-def test_swiglu_mlp_tiles_and_refusals():
-    assert default_tiles(4096, 14336) == (128, 64, 128)
-    assert default_tiles(64, 96) == (32, 64, 64)
-    assert mlp_supported(8, 4096, 14336) and not mlp_supported(17, 4096, 14336)
-    assert not mlp_supported(8, 4096, 100)          # no power-of-two tile of 16+ divides 100
-    x = jnp.zeros((4, 64), jnp.float32)
-    with pytest.raises(ValueError, match="w_gate_up"):
-        swiglu_mlp(x, jnp.zeros((64, 100)), jnp.zeros((48, 64)), interpret=True)
-    with pytest.raises(ValueError, match="tiles"):
-        swiglu_mlp(x, jnp.zeros((64, 192)), jnp.zeros((96, 64)), tile_inter=64, interpret=True)
-
-
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows,splits", [(1, 1), (5, 3), (8, 4), (16, 2)])
-def test_merge_out_proj_kernel_matches_reference(rows, splits, w_dtype, interpret):
-    """Split combine + o projection in one kernel, products added with atomics, against
-    jnp: an empty split (lse -inf), split counts that are not powers of two, several heads
-    and output chunks."""
-    rng = np.random.default_rng(rows * 7 + splits)
-    heads, head_dim, hidden = 4, 16, 128
-    partials = jnp.asarray(rng.standard_normal((rows, splits, heads, head_dim)), jnp.float32)
-    lse = rng.standard_normal((rows, splits, heads)).astype(np.float32) * 3
-    if splits > 1:
-        lse[:, -1, :2] = -np.inf
-    lse = jnp.asarray(lse)
-    w_o = jnp.asarray(rng.standard_normal((heads * head_dim, hidden)) / 8, w_dtype)
-    got = merge_out_proj(partials, lse, w_o, chunks=2, block_n=32, interpret=interpret)
-    want = merge_out_proj_reference(partials, lse, w_o)
-    assert got.shape == (rows, hidden) and got.dtype == jnp.float32
-    tol = 1e-5 if w_dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(_f32(got), _f32(want), rtol=tol, atol=tol)
-
-
-def test_merge_out_proj_tiles_and_refusals():
-    assert out_proj_tiles(32, 4096) == (4, 128)      # 128 programs at Llama-3-8B
-    assert out_proj_tiles(4, 64) == (1, 64)
-    with pytest.raises(ValueError, match="do not fit"):
-        merge_out_proj(jnp.zeros((2, 2, 4, 16)), jnp.zeros((2, 3, 4)), jnp.zeros((64, 64)),
-                       interpret=True)
-    with pytest.raises(ValueError, match="rows 17"):
-        merge_out_proj(jnp.zeros((17, 2, 4, 16)), jnp.zeros((17, 2, 4)), jnp.zeros((64, 64)),
-                       interpret=True)
 
 
 @pytest.mark.parametrize("num_warps", [1, 8])
@@ -209,20 +129,3 @@ def test_layer_kernels_refuse_warp_counts_they_cannot_launch(num_warps, interpre
     with pytest.raises(ValueError, match="num_warps"):
         rope_kv_write(qkv, cos, cos, jnp.asarray([0, 1], jnp.int32), pages, pages,
                       interpret=interpret, num_warps=num_warps)
-
-
-def test_atomic_matmul_probe_checks_its_variants(tmp_path):
-    """The GPU probe of the atomic kernels (`scripts/probe_atomic_matmuls.py`) runs its
-    correctness checks in interpret mode: every variant agrees with the XLA form."""
-    import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, os.path.join(root, "scripts", "probe_atomic_matmuls.py"),
-                    "--smoke", "--layers", "2", "--out_dir", str(tmp_path)],
-                   check=True, env=env, cwd=root, capture_output=True, timeout=600)
-    variants = json.loads((tmp_path / "atomic_matmuls.json").read_text())["variants"]
-    assert {"mlp:xla", "o:xla"} <= set(variants) and len(variants) >= 6
-    assert all("error" not in row and row["rel_err"] < 3e-2 for row in variants.values()), variants

@@ -89,31 +89,6 @@ def test_paged_logits_equal_dense(params, dense_logits, block_size, chunks):
         assert "mixed" in kinds
 
 
-@pytest.mark.parametrize("which", ["mlp", "out_proj", "both"])
-def test_atomic_layer_kernels_equal_dense(params, dense_logits, monkeypatch, which):
-    """Decode steps with the MLP as one kernel (`layers.ATOMIC_MLP_MAX_ROWS`) and/or the split
-    combine inside the o projection (`layers.ATOMIC_OUT_PROJ_MAX_ROWS`), float32 outputs
-    rounded by the next residual add, give the dense forward's logits; the kernels run."""
-    from paxkv.model import layers
-    from pallas_kernels.layer_ops import atomic_mlp, atomic_out_proj
-    calls = []
-    for module, name in ((atomic_mlp, "swiglu_mlp"), (atomic_out_proj, "merge_out_proj")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw:
-                            calls.append(_n) or _k(*a, **kw))
-    if which in ("mlp", "both"):
-        monkeypatch.setattr(layers, "ATOMIC_MLP_MAX_ROWS", 16)
-    if which in ("out_proj", "both"):
-        monkeypatch.setattr(layers, "ATOMIC_OUT_PROJ_MAX_ROWS", 16)
-    seqs, ref = dense_logits
-    got, kinds = run_schedule(fuse_projections(params), seqs, 8, (1,), seed=3, backend="pallas")
-    for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
-    assert "decode" in kinds
-    assert ("swiglu_mlp" in calls) == (which != "out_proj")
-    assert ("merge_out_proj" in calls) == (which != "mlp")
-
-
 @pytest.mark.parametrize("chunks", [(5, 16, 7), (9, 1, 1), (1,)], ids=["chunked", "mixed", "decode"])
 def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     """The GPU backend's path (Pallas kernels in interpret mode): attention, and the fused

@@ -2,8 +2,8 @@
 steps it replaces, run by their references: `rope_kv_write_reference`, then
 `paged_attention_reference` over the pages it wrote. Fresh random inputs: permuted block
 tables, lengths ending mid-block, length 1 (the new token alone), padding rows (length 0,
-slot outside the pool), GQA 1/4/8, split-K, fp32 and bf16, splits handed over unmerged;
-interpret mode on the CPU, compiled on a GPU (`PAXKV_TEST_DEVICE=gpu`)."""
+slot outside the pool), GQA 1/4/8, split-K, fp32 and bf16; interpret mode on the CPU,
+compiled on a GPU (`PAXKV_TEST_DEVICE=gpu`)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -12,8 +12,7 @@ import pytest
 
 from kernel_helpers import HEAD_DIM, TOL, rel_err
 from pallas_kernels.layer_ops.rope_kv_write import rope_kv_write_reference
-from pallas_kernels.paged_attention import (combine_splits, paged_attention_reference,
-                                            rope_paged_attention)
+from pallas_kernels.paged_attention import paged_attention_reference, rope_paged_attention
 from test_paged_attention_kernel import make_case
 
 
@@ -79,23 +78,6 @@ def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block
     np.testing.assert_array_equal(f32(got_k)[untouched], f32(k)[untouched])
     np.testing.assert_array_equal(f32(got_v)[untouched], f32(v)[untouched])
     assert not np.allclose(f32(got_k)[written], f32(k)[written])
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-def test_fused_decode_split_partials_merge_to_its_output(splits, interpret):
-    """`split_partials` hands the splits over unmerged (for `layer_ops.atomic_out_proj`):
-    merged by `combine_splits` they are the output, and the pages are written the same."""
-    case = make_fused_case(7 + splits, q_heads=8, kv_heads=2, block_size=8, max_blocks=8,
-                           lens=[61, 5, 0, 17], dtype=jnp.float32)
-    want, want_k, want_v = rope_paged_attention(*case, num_splits=splits,
-                                                pages_per_compute_block=2, interpret=interpret)
-    (partials, lse), got_k, got_v = rope_paged_attention(
-        *case, num_splits=splits, pages_per_compute_block=2, split_partials=True,
-        interpret=interpret)
-    assert partials.shape == (4, splits, 8, HEAD_DIM) and lse.shape == (4, splits, 8)
-    assert rel_err(combine_splits(partials, lse), want) < TOL[jnp.float32]
-    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 
 
 def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):

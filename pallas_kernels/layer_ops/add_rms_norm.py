@@ -19,10 +19,8 @@ from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_w
 
 def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.Array,
                            eps: float) -> tuple[jax.Array, jax.Array]:
-    """-> (the new residual `x + residual`, its RMSNorm times `scale` in scale's dtype). The
-    sum is rounded to the residual's dtype, x to it first (x may be a float32 branch output
-    added to a bf16 stream)."""
-    total = x if residual is None else (x.astype(residual.dtype) + residual).astype(residual.dtype)
+    """-> (the new residual `x + residual` in x's dtype, its RMSNorm times `scale` in scale's dtype)."""
+    total = x if residual is None else (x + residual).astype(x.dtype)
     tf = total.astype(jnp.float32)
     normed = tf * jax.lax.rsqrt(jnp.mean(tf * tf, axis=-1, keepdims=True) + eps)
     return total, (normed * scale.astype(jnp.float32)).astype(scale.dtype)
@@ -31,8 +29,7 @@ def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.
 def _kernel(*refs, eps: float, has_residual: bool):
     if has_residual:
         x_ref, r_ref, scale_ref, total_ref, normed_ref = refs
-        x = x_ref[...].astype(total_ref.dtype).astype(jnp.float32)
-        total = (x + r_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
+        total = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
         total_ref[...] = total
     else:
         x_ref, scale_ref, normed_ref = refs
@@ -77,7 +74,7 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
     if residual is None:
         out_shape, out_specs = normed_shape, row_spec
     else:
-        out_shape = (jax.ShapeDtypeStruct((n, hidden), residual.dtype), normed_shape)
+        out_shape = (jax.ShapeDtypeStruct((n, hidden), x.dtype), normed_shape)
         out_specs = (row_spec, row_spec)
     out = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),

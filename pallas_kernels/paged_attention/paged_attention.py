@@ -32,7 +32,6 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -238,11 +237,9 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret, rope=None, combine=True):
+                 num_warps, num_stages, dot_dtype, interpret, rope=None):
     """-> attention output `[B, Hq, d]`; with `rope` (cos, sin, slot_mapping: `q` is then the
-    packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok). Not `combine`
-    (and more than one split): the output is the splits' (partials `[B, S, Hq, d]` float32,
-    base-2 log-sum-exps `[B, S, Hq]`), for the kernel after to merge."""
+    packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok)."""
     batch, packed_heads, head_dim = q.shape
     num_heads = packed_heads - 2 * num_kv_heads if rope is not None else packed_heads
     group = num_heads // num_kv_heads
@@ -310,8 +307,6 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
     )(*args)
     if num_splits == 1:
         out = outs[0]
-    elif not combine:
-        out = (outs[0], outs[1])
     else:
         out = combine_splits_kernel(outs[0], outs[1], out_dtype=q.dtype, interpret=interpret)
     return out if rope is None else (out, outs[-2], outs[-1])
@@ -454,15 +449,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
-    "split_partials", "interpret"))
+    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret"))
 def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
                          slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          block_tables: jax.Array, context_lens: jax.Array, *,
                          scale: float | None = None, pages_per_compute_block: int | None = None,
                          num_splits: int | None = None, num_warps: int = 4,
-                         num_stages: int | None = None, split_partials: bool = False,
-                         interpret: bool = False) -> tuple[Any, jax.Array, jax.Array]:
+                         num_stages: int | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's RoPE, KV-page write and attention in one launch (Triton lowering).
 
     Run apart, `layer_ops.rope_kv_write` and `paged_attention` are two of a one-stream layer's
@@ -481,12 +475,8 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         the sequence's last (0: a padding row, output 0, nothing written).
       scale, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
       num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
-      split_partials: return the splits unmerged, for a kernel after to merge
-        (`layer_ops.atomic_out_proj`); one split gives one partial of log-sum-exp 0.
     Returns:
-      (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages); with `split_partials`
-      ((partials `[batch, splits, q_heads, head_dim]` float32, base-2 log-sum-exps
-      `[batch, splits, q_heads]`), k_pages, v_pages).
+      (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
     """
     if qkv.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"rope_paged_attention: qkv must be [batch, heads, head_dim] and the "
@@ -520,7 +510,5 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         None, None, block_tables, context_lens, layout="blocks_first", block_size=block_size,
         num_kv_heads=num_kv_heads, pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages, dot_dtype=None,
-        interpret=interpret, rope=(cos, sin, slot_mapping), combine=not split_partials)
-    if split_partials and splits == 1:
-        out = (out[:, None].astype(jnp.float32), jnp.zeros((batch, 1, num_heads), jnp.float32))
+        interpret=interpret, rope=(cos, sin, slot_mapping))
     return out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape)

@@ -23,7 +23,7 @@ kernels under tensor parallelism); every layout runs here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -33,25 +33,8 @@ from paxkv.config import ModelConfig
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
 from paxkv.model.rope import apply_rope, cos_sin
 
-# (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state);
-# out may instead be a `SplitAttention`, which the o projection merges (fused path).
-AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[Any, Any]]
-
-# Steps of at most this many tokens run the MLP as one Pallas kernel on the fused path
-# (`pallas_kernels.layer_ops.atomic_mlp`, float32 out); 0 turns it off.
-ATOMIC_MLP_MAX_ROWS = 0
-# Decode steps of at most this many rows on the fused path leave split attention unmerged
-# and merge it inside the o projection's kernel (`layer_ops.atomic_out_proj`, float32 out;
-# `paxkv.model.llama`); 0 turns it off.
-ATOMIC_OUT_PROJ_MAX_ROWS = 0
-
-
-class SplitAttention(NamedTuple):
-    """Split decode attention left unmerged: partials `[T, S, Hq, d]` float32 and their
-    base-2 log-sum-exps `[T, S, Hq]`."""
-
-    partials: jax.Array
-    lse: jax.Array
+# (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
+AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 INIT_STD = 0.02  # the usual Llama initializer range
 
@@ -60,8 +43,7 @@ class AddRMSNorm(nn.Module):
     """The residual add and the RMSNorm after it: `(x + residual, norm(x + residual))`.
 
     The norm is computed in float32 whatever the activation dtype, on the sum rounded to
-    the residual's dtype (x, float32 from the one-kernel MLP, is rounded to it first);
-    `residual` None means no add (the first layer's input). With
+    the activation dtype; `residual` None means no add (the first layer's input). With
     `fused` the pair is one Pallas kernel (`pallas_kernels.layer_ops.add_rms_norm`).
     """
 
@@ -78,7 +60,7 @@ class AddRMSNorm(nn.Module):
             if supported(x.shape[-1]):
                 return add_rms_norm(x, residual, scale, eps=self.eps,
                                     interpret=jax.default_backend() != "gpu")
-        total = x if residual is None else x.astype(residual.dtype) + residual
+        total = x if residual is None else x + residual
         xf = total.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return total, (xf * scale.astype(jnp.float32)).astype(self.dtype)
@@ -149,49 +131,21 @@ class Attention(nn.Module):
             k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
             out, state = attention(self.layer, q, k, v, state)
-        if isinstance(out, SplitAttention):   # merged by the o projection's kernel, float32 out
-            from pallas_kernels.layer_ops.atomic_out_proj import merge_out_proj
-            w_o = self.get_variable("params", "o_proj")["kernel"].astype(self.dtype)
-            return merge_out_proj(out.partials, out.lse, w_o,
-                                  interpret=jax.default_backend() != "gpu"), state
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
         return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)).
-
-    With `fused`, steps of at most `ATOMIC_MLP_MAX_ROWS` tokens on the 2-D serving layout run
-    as one kernel whose output is float32 (the next residual add rounds it, `AddRMSNorm`).
-    """
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
-    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
-        one_kernel = self._one_kernel_weights(x)
-        if one_kernel is not None:
-            from pallas_kernels.layer_ops.atomic_mlp import swiglu_mlp
-            w_gate_up, w_down = one_kernel
-            return swiglu_mlp(x.astype(self.dtype), w_gate_up.astype(self.dtype),
-                              w_down.astype(self.dtype), interpret=jax.default_backend() != "gpu")
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
         return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
-
-    def _one_kernel_weights(self, x: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-        """(gate/up, down) kernels where the one-kernel MLP serves `x`, else None."""
-        if not (self.fused and x.ndim == 2 and x.shape[0] <= ATOMIC_MLP_MAX_ROWS
-                and not self.is_initializing() and self.has_variable("params", "gate_up_proj")):
-            return None
-        from pallas_kernels.layer_ops.atomic_mlp import supported
-        w_gate_up = self.get_variable("params", "gate_up_proj")["kernel"]
-        w_down = self.get_variable("params", "down_proj")["kernel"]
-        if w_gate_up.ndim != 2 or not supported(x.shape[0], *w_gate_up.shape[:1], w_down.shape[0]):
-            return None
-        return w_gate_up, w_down
 
 
 class DecoderLayer(nn.Module):
@@ -218,7 +172,7 @@ class DecoderLayer(nn.Module):
                              name="self_attn")(h, cos, sin, attention, state)
         residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
                                  name="post_attention_layernorm")(h, residual)
-        return MLP(c, self.dtype, self.fused, name="mlp")(h), residual, state
+        return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
 class LMHead(nn.Module):
@@ -278,7 +232,7 @@ class Llama(nn.Module):
             x, residual, state = DecoderLayer(c, i, self.dtype, self.fused, name=f"layers_{i}")(
                 x, residual, cos, sin, attention, state)
             if i + 1 < c.num_layers and i + 1 in hidden_layers:
-                take(i + 1, x.astype(residual.dtype) + residual, hidden_at)
+                take(i + 1, x + residual, hidden_at)
         final = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused, name="norm")
 
         def rows(a: jax.Array, at: jax.Array) -> jax.Array:

@@ -24,8 +24,7 @@ from paxkv.model.attention import attend
 from paxkv.model.batch import StepBatch
 from paxkv.model.dense import (DenseCache, dense_forward, dense_forward_jit,  # noqa: F401
                                greedy_generate, grouped_attention, init_cache)
-from paxkv.model import layers
-from paxkv.model.layers import INIT_STD, Llama, SplitAttention, params_dtype
+from paxkv.model.layers import INIT_STD, Llama, params_dtype
 from paxkv.model.rope import apply_rope, cos_sin
 
 Params = Any  # nested dict of arrays, the Linen "params" collection
@@ -73,12 +72,8 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
             from paxkv.model import pallas_backend
             if pallas_backend.fuses_rope_decode(q, pool.k[layer], batch, decode_only=decode_only,
                                                 quantized=pool.quantized):
-                split = _merges_in_out_proj(q.shape[0], cfg)
                 out, nk, nv = pallas_backend.rope_attend(q, cos, sin, pool.k[layer],
-                                                         pool.v[layer], batch, scale=scale,
-                                                         split_partials=split)
-                if split:
-                    out = SplitAttention(*out)
+                                                         pool.v[layer], batch, scale=scale)
                 return out, pool._replace(k=kv_pool_lib.replace_layer(pool.k, layer, nk),
                                           v=kv_pool_lib.replace_layer(pool.v, layer, nv))
             q, pool = _rotate_and_write(layer, q, cos, sin, pool, batch.slot_mapping)
@@ -103,14 +98,6 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     return model.apply({"params": params}, batch.token_ids, batch.positions, paged_attention,
                        kv_pool, logits_at=logits_at, hidden_at=hidden_at,
                        hidden_layers=hidden_layers)
-
-
-def _merges_in_out_proj(rows: int, cfg: ModelConfig) -> bool:
-    """Whether a fused decode step of `rows` rows leaves its split attention to the o
-    projection's kernel (`layers.ATOMIC_OUT_PROJ_MAX_ROWS`)."""
-    from pallas_kernels.layer_ops.atomic_out_proj import supported
-    return (rows <= layers.ATOMIC_OUT_PROJ_MAX_ROWS
-            and supported(rows, cfg.num_heads, cfg.head_dim, cfg.hidden_size))
 
 
 def _rotate_and_write(layer: int, qkv: jax.Array, cos: jax.Array, sin: jax.Array, pool: KVPool,

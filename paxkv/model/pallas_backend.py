@@ -8,8 +8,6 @@ Off the GPU (tests) the kernels run in Pallas interpret mode.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
@@ -76,14 +74,13 @@ def fuses_rope_decode(qkv: jax.Array, k_pages: jax.Array, batch: StepBatch, *,
 
 
 def rope_attend(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pages: jax.Array,
-                v_pages: jax.Array, batch: StepBatch, *, scale: float, split_partials: bool = False,
-                interpret: bool | None = None) -> tuple[Any, jax.Array, jax.Array]:
+                v_pages: jax.Array, batch: StepBatch, *, scale: float,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's RoPE, KV write and attention in one kernel (`rope_paged_attention`):
-    packed unrotated heads `[S, Hq + 2 Hkv, d]` -> (`[S, Hq, d]`, k_pages, v_pages), or with
-    `split_partials` the splits unmerged in place of the output. Only where
+    packed unrotated heads `[S, Hq + 2 Hkv, d]` -> (`[S, Hq, d]`, k_pages, v_pages). Only where
     `fuses_rope_decode`."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return rope_paged_attention(qkv, cos, sin, batch.slot_mapping, k_pages, v_pages,
                                 batch.block_tables, batch.context_lens, scale=float(scale),
-                                split_partials=split_partials, interpret=interpret)
+                                interpret=interpret)
