@@ -10,9 +10,7 @@ A second argument names another script to run under the variant (its own argumen
 Variants, joined with "+": `ropeapart` (RoPE and the KV write in their own kernel before
 decode attention, not inside it), `ropeN` (RoPE + KV-write kernel, N warps), `normN` (add + RMSNorm
 kernel, N warps), `ppcbN` (decode attention, N pages per loop step), `splitsN` (decode
-attention, N splits of each sequence's pages; 1 skips the combine kernel), `strided` /
-`contiguous` (the fused RoPE + decode kernel's splits take strided loop steps, the first
-loaded without waiting for the length, or contiguous page ranges), `dstagesN` (decode
+attention, N splits of each sequence's pages; 1 skips the combine kernel), `dstagesN` (decode
 attention, N pipeline stages where they fit), `dwarpsN` (the fused RoPE + decode attention
 kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
@@ -58,12 +56,6 @@ def apply(name: str) -> None:
         paging = _module("pallas_kernels.paged_attention.paging")
         fit, stages = paging.fit_num_stages, int(name[7:])
         paging.fit_num_stages = lambda requested, default, **kw: fit(requested, stages, **kw)
-    elif name == "strided":
-        module = _module("pallas_kernels.paged_attention.paged_attention")
-        module.ROPE_DECODE_STRIDED_SPLITS = True
-    elif name == "contiguous":
-        module = _module("pallas_kernels.paged_attention.paged_attention")
-        module.ROPE_DECODE_STRIDED_SPLITS = False
     elif name.startswith("splits"):
         module = _module("pallas_kernels.paged_attention.paged_attention")
         splits = int(name[6:])

@@ -1,4 +1,4 @@
-"""Probe: the fused RoPE + decode attention kernel at one stream, per layer, by split layout.
+"""Probe: the fused RoPE + decode attention kernel at one stream, per layer, by split count.
 
 At one Llama-3-8B stream the fused kernel (with its split combine) is the largest of a
 layer's small kernels, about 7.9 us at a 512-token context (results/one_stream.md): 32
@@ -6,10 +6,10 @@ programs, each a chain of dependent loads (the sequence length, then its block-t
 entries, then K and V rows) with almost no bytes to move. This times the kernel as the
 engine runs it (8 decode rows, one real sequence, the others padding; Llama-3-8B heads;
 16-token blocks; a table as wide as 8,192 tokens), LAYERS launches over distinct page pools
-in one jit (more bytes than L2 holds), us per layer, for contiguous and strided splits
-(`rope_paged_attention(strided_splits=)`) at several split counts and loop-step sizes.
-Every variant's output is checked against the jnp reference first (the run stops loudly on a
-mismatch).
+in one jit (more bytes than L2 holds), us per layer, at several split counts and loop-step
+sizes. Every variant's output is checked against the jnp reference first (the run stops
+loudly on a mismatch). Commit 8cb6f65 also timed strided splits with it
+(results/one_stream.md).
 
     PYTHONPATH=. python3 scripts/probe_decode_latency.py --out_dir DIR
     PYTHONPATH=. python3 scripts/probe_decode_latency.py --smoke    # small shapes, CPU interpret
@@ -34,9 +34,8 @@ from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 ROWS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 32, 8, 128, 16
 TABLE_PAGES, LAYERS, REPS = 512, 32, 10
 CONTEXTS = (200, 384, 512, 640)
-# (strided, splits, pages per loop step); the first is the engine's default
-VARIANTS = [(False, 4, 8), (True, 4, 8), (False, 2, 8), (True, 2, 8), (True, 8, 8),
-            (True, 8, 4), (True, 4, 4), (True, 16, 2)]
+# (splits, pages per loop step); the first is the engine's default
+VARIANTS = [(4, 8), (2, 8), (8, 8), (8, 4), (4, 4), (16, 2), (1, 8)]
 INTERPRET = False
 
 
@@ -69,15 +68,14 @@ def reference(qkv, cos, sin, slots, table, lens, k, v):
     return paged_attention_reference(q, k_new, v_new, table, lens)
 
 
-def layer_chain(strided: bool, splits: int, ppcb: int):
+def layer_chain(splits: int, ppcb: int):
     """LAYERS fused decode launches, one per pool pair (donated, returned)."""
     def run(qkv, cos, sin, slots, table, lens, *pools):
         outs, new_pools = [], []
         for layer in range(LAYERS):
             out, k, v = rope_paged_attention(
                 qkv, cos, sin, slots, pools[2 * layer], pools[2 * layer + 1], table, lens,
-                num_splits=splits, pages_per_compute_block=ppcb, strided_splits=strided,
-                interpret=INTERPRET)
+                num_splits=splits, pages_per_compute_block=ppcb, interpret=INTERPRET)
             outs.append(out[0, 0, 0])
             new_pools += [k, v]
         return (jnp.stack(outs), *new_pools)
@@ -94,29 +92,29 @@ def main() -> None:
     if args.smoke:
         INTERPRET, LAYERS, REPS = True, 2, 1
         Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES = 8, 2, 32, 16
-        contexts, variants = (37, 100), VARIANTS[:2] + [(True, 8, 4)]
+        contexts, variants = (37, 100), VARIANTS[:2] + [(8, 1)]
     rng = np.random.default_rng(0)
     rows = []
     for ctx in contexts:
         inputs, pools = make_layer_inputs(rng, ctx)
         want = reference(*inputs, pools[0], pools[1])
         base = None
-        for strided, splits, ppcb in variants:
-            label = f"{'strided' if strided else 'contiguous'} s{splits} p{ppcb}"
+        for splits, ppcb in variants:
+            label = f"{splits} splits, {ppcb} pages per step"
             got, _, _ = rope_paged_attention(*inputs[:4], pools[0], pools[1], *inputs[4:],
                                              num_splits=splits, pages_per_compute_block=ppcb,
-                                             strided_splits=strided, interpret=INTERPRET)
+                                             interpret=INTERPRET)
             err = float(jnp.linalg.norm((got[0] - want[0]).astype(jnp.float32))
                         / jnp.linalg.norm(want[0].astype(jnp.float32)))
             if not err < 2e-2 or not bool(jnp.isfinite(got).all()):
                 sys.exit(f"FAIL ctx {ctx} {label}: relative error {err:.3g}")
             fresh = [jnp.copy(p) for p in pools]
-            us = back_to_back(layer_chain(strided, splits, ppcb), *inputs, *fresh, reps=REPS,
+            us = back_to_back(layer_chain(splits, ppcb), *inputs, *fresh, reps=REPS,
                               donated=2 * LAYERS) / LAYERS * 1e6
             base = us if base is None else base
-            rows.append({"context": ctx, "strided": strided, "splits": splits, "ppcb": ppcb,
+            rows.append({"context": ctx, "splits": splits, "ppcb": ppcb,
                          "us_per_layer": us, "rel_err": err})
-            print(f"ctx {ctx:4d}  {label:20s} {us:7.2f} us/layer  ({us / base:.3f} of the "
+            print(f"ctx {ctx:4d}  {label:28s} {us:7.2f} us/layer  ({us / base:.3f} of the "
                   f"default)  err {err:.1e}", flush=True)
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)

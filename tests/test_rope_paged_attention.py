@@ -52,11 +52,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
 def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block_size, max_blocks,
-                                                        lens, dtype, splits, ppcb, strided,
-                                                        interpret):
+                                                        lens, dtype, splits, ppcb, interpret):
     seed = q_heads * 100 + block_size + splits
     case = make_fused_case(seed, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
                            max_blocks=max_blocks, lens=lens, dtype=dtype)
@@ -64,7 +62,7 @@ def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block
     want, want_k, want_v = reference(*case)
     out, got_k, got_v = rope_paged_attention(qkv, cos, sin, slots, k, v, tables, lens_,
                                              num_splits=splits, pages_per_compute_block=ppcb,
-                                             strided_splits=strided, interpret=interpret)
+                                             interpret=interpret)
     assert out.shape == (len(lens), q_heads, HEAD_DIM) and out.dtype == dtype
     real = np.asarray(lens) > 0
     assert rel_err(out[real], want[real]) < TOL[dtype]
@@ -98,11 +96,10 @@ def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):
     assert rel_err(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-def test_fused_decode_ignores_slots_past_the_length(strided, interpret):
-    """Strided splits load their first step's K/V rows unmasked: NaN in every pool slot the
-    sequences do not own (the null block, other sequences' pages, the rest of a last page)
-    must not reach the output, at lengths ending mid-block and splits past the end."""
+def test_fused_decode_ignores_slots_past_the_length(interpret):
+    """NaN in every pool slot the sequences do not own (the null block, other sequences'
+    pages, the rest of a last page) must not reach the output, at lengths ending mid-block
+    and splits past the end."""
     case = list(make_fused_case(13, q_heads=8, kv_heads=2, block_size=8, max_blocks=8,
                                 lens=[21, 3, 40, 0], dtype=jnp.float32))
     want, _, _ = reference(*case)
@@ -116,7 +113,7 @@ def test_fused_decode_ignores_slots_past_the_length(strided, interpret):
         flat[~owned] = np.nan
         case[i] = jnp.asarray(flat.reshape(case[i].shape))
     out, _, _ = rope_paged_attention(*case, num_splits=4, pages_per_compute_block=2,
-                                     strided_splits=strided, interpret=interpret)
+                                     interpret=interpret)
     real = lens > 0
     assert bool(jnp.isfinite(out).all())
     assert rel_err(out[real], want[real]) < 1e-5

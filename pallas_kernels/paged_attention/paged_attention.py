@@ -65,14 +65,12 @@ def _split_full_steps(page_dtype) -> bool:
 def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                    pages_per_compute_block: int, group: int,
                    rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype,
-                   rope_heads: tuple[int, int] | None = None, strided: bool = False):
+                   rope_heads: tuple[int, int] | None = None):
     """One (sequence, kv head, split): online softmax over that split's pages.
 
     With `rope_heads` (q heads, kv heads) `q_ref` holds the step's packed, unrotated q/k/v
     heads and the program also rotates them and writes the new token's K/V
-    (`rope_paged_attention`). With `strided` (unquantized pages only) split `s` takes the
-    sequence's loop steps `s, s + num_splits, ...` and runs its first one outside the loop
-    with addresses that do not depend on the sequence's length (`_strided_steps`)."""
+    (`rope_paged_attention`)."""
     if rope_heads is not None:
         cos_ref, sin_ref, slot_ref, *refs = refs
     k_ref, v_ref, *refs = refs
@@ -147,19 +145,11 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                            carry[0]),
                  jnp.where(with_new, new_logit, carry[1]),
                  jnp.where(with_new, 1.0, carry[2]))
-    if strided:
-        acc, m, l = _strided_steps(carry, q, k_ref, v_ref, table_ref, s, page_length,
-                                   length_pages, block_size=block_size,
-                                   pages_per_compute_block=pages_per_compute_block,
-                                   num_splits=num_splits, qk_scale=qk_scale,
-                                   compute_dtype=compute_dtype, precision=precision)
+    if _split_full_steps(k_ref.dtype):
+        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
     else:
-        if _split_full_steps(k_ref.dtype):
-            carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-        else:
-            num_full = 0
-        acc, m, l = lax.fori_loop(num_full, num_iters, functools.partial(step, masked=True),
-                                  carry)
+        num_full = 0
+    acc, m, l = lax.fori_loop(num_full, num_iters, functools.partial(step, masked=True), carry)
 
     has_keys = l > 0
     out = paging.normalize(acc, l)
@@ -180,63 +170,6 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
         def _():
             k_out_ref[pl.ds(slot, 1), :] = k_new.astype(k_out_ref.dtype)
             v_out_ref[pl.ds(slot, 1), :] = v_new.astype(v_out_ref.dtype)
-
-
-def _strided_steps(carry, q, k_ref, v_ref, table_ref, s, page_length, length_pages, *,
-                   block_size: int, pages_per_compute_block: int, num_splits: int,
-                   qk_scale: float, compute_dtype, precision):
-    """Split `s`'s loop steps `s, s + num_splits, ...` of the sequence's `length_pages` pages
-    folded into the online-softmax `carry` (unquantized pages).
-
-    A one-stream decode program is a chain of dependent loads; with contiguous splits its
-    first page's table entry waits for the sequence length. Strided, the first step's pages
-    (`s * pages_per_compute_block` on) are fixed by the program id, so its table entries,
-    then its K and V rows, are loaded at once and unmasked (the table's padding entries are
-    the null block, and page ids are clamped into the pool), and the length only masks the
-    logits and zeroes the value rows past it (a pool slot may hold anything, and 0 * NaN is
-    NaN in the PV dot). The remaining steps run as the contiguous loop's masked steps.
-    """
-    block_k = block_size * pages_per_compute_block
-    num_slots = k_ref.shape[0]
-    head_dim = q.shape[-1]
-    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-
-    def fold(carry, page0, guard: bool, masked_load: bool):
-        tokens = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32)
-        valid = tokens < page_length
-        slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
-        if masked_load:
-            logits = paging.key_logits(q, k_ref, None, slots, valid, precision)
-            v = paging.load_tokens(v_ref, slots, valid, head_dim, compute_dtype)
-        else:
-            slots = jnp.clip(slots, 0, num_slots - 1)
-            k = plgpu.load(k_ref.at[slots[:, None], cols]).astype(q.dtype)
-            v = plgpu.load(v_ref.at[slots[:, None], cols]).astype(compute_dtype)
-            v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
-            logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
-        if qk_scale != 1.0:
-            logits = logits * qk_scale
-        logits = jnp.where(valid[None, :], logits, -jnp.inf)
-        acc, m, l = carry
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(logits - shift[:, None])
-        pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                                 precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
-
-    # The first step may hold no token of the sequence (a split past its end): guarded.
-    carry = fold(carry, s * pages_per_compute_block, guard=True, masked_load=False)
-    num_steps = _cdiv(length_pages, pages_per_compute_block)
-    num_iters = _cdiv(jnp.maximum(num_steps - s, 0), num_splits)
-
-    def later_step(i, carry):
-        page0 = (s + i * num_splits) * pages_per_compute_block
-        return fold(carry, page0, guard=False, masked_load=True)
-
-    return lax.fori_loop(1, num_iters, later_step, carry)
 
 
 def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads: int):
@@ -268,10 +201,6 @@ def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads:
 # stream on an H200 (JAX 0.11.2, results/one_stream.md) 8 splits ran 227.5-228.2 tok/s,
 # 4 splits 238.8-239.6, 2 splits 236.3-238.8, 1 split 233.9-234.3.
 ROPE_DECODE_MAX_SPLITS = 4
-
-# Whether the fused kernel's splits take strided loop steps with the first one's loads
-# independent of the sequence length (`_strided_steps`), rather than contiguous page ranges.
-ROPE_DECODE_STRIDED_SPLITS = False
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
@@ -308,7 +237,7 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret, rope=None, strided=False):
+                 num_warps, num_stages, dot_dtype, interpret, rope=None):
     """-> attention output `[B, Hq, d]`; with `rope` (cos, sin, slot_mapping: `q` is then the
     packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok)."""
     batch, packed_heads, head_dim = q.shape
@@ -363,8 +292,7 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         group=group, rows=rows, scale=scale,
         quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype,
-        rope_heads=None if rope is None else (num_heads, num_kv_heads),
-        strided=strided and not quantized)
+        rope_heads=None if rope is None else (num_heads, num_kv_heads))
     prefix = "paxkv_paged_decode" if rope is None else "paxkv_rope_paged_decode"
     outs = pl.pallas_call(
         kernel,
@@ -521,16 +449,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret",
-    "strided_splits"))
+    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret"))
 def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
                          slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          block_tables: jax.Array, context_lens: jax.Array, *,
                          scale: float | None = None, pages_per_compute_block: int | None = None,
                          num_splits: int | None = None, num_warps: int = 4,
-                         num_stages: int | None = None, interpret: bool = False,
-                         strided_splits: bool | None = None,
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         num_stages: int | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's RoPE, KV-page write and attention in one launch (Triton lowering).
 
     Run apart, `layer_ops.rope_kv_write` and `paged_attention` are two of a one-stream layer's
@@ -549,8 +475,6 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         the sequence's last (0: a padding row, output 0, nothing written).
       scale, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
       num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
-      strided_splits: each split takes every `num_splits`-th loop step, the first loaded
-        without waiting for the length (`_strided_steps`); None: `ROPE_DECODE_STRIDED_SPLITS`.
     Returns:
       (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
     """
@@ -586,6 +510,5 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         None, None, block_tables, context_lens, layout="blocks_first", block_size=block_size,
         num_kv_heads=num_kv_heads, pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages, dot_dtype=None,
-        interpret=interpret, rope=(cos, sin, slot_mapping),
-        strided=ROPE_DECODE_STRIDED_SPLITS if strided_splits is None else bool(strided_splits))
+        interpret=interpret, rope=(cos, sin, slot_mapping))
     return out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape)
