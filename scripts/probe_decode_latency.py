@@ -5,9 +5,9 @@ layer's small kernels, about 7.9 us at a 512-token context (results/one_stream.m
 programs, each a chain of dependent loads (the sequence length, then its block-table
 entries, then K and V rows) with almost no bytes to move. This times the kernel as the
 engine runs it (8 decode rows, one real sequence, the others padding; Llama-3-8B heads;
-16-token blocks; a table as wide as 8,192 tokens), LAYERS launches over distinct page pools
-in one jit (more bytes than L2 holds), us per layer, at several split counts and loop-step
-sizes. Every variant's output is checked against the jnp reference first (the run stops
+16-token blocks; a table as wide as 8,192 tokens), ROUNDS passes of LAYERS launches over
+distinct page pools in one jit (more bytes than L2 holds), us per layer, at several split counts, loop-step
+sizes, pipeline depths and warp counts. Every variant's output is checked against the jnp reference first (the run stops
 loudly on a mismatch). Commit 8cb6f65 also timed strided splits with it
 (results/one_stream.md).
 
@@ -33,9 +33,15 @@ from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 32, 8, 128, 16
 TABLE_PAGES, LAYERS, REPS = 512, 32, 10
+# Passes over the LAYERS pools per dispatch: with one pass (32 launches, some 0.3 ms of device
+# work) the dispatch of a jit holding 64 donated pools could take as long as the device, and
+# two calls on H100s gave the default 8.42 and 14.67 us per layer at the same context.
+ROUNDS = 8
 CONTEXTS = (200, 384, 512, 640)
-# (splits, pages per loop step); the first is the engine's default
-VARIANTS = [(4, 8), (2, 8), (8, 8), (8, 4), (4, 4), (16, 2), (1, 8)]
+# (splits, pages per loop step, pipeline stages, warps); the first is the engine's default
+# (stages None: the kernel's default, 2)
+VARIANTS = [(4, 8, None, 4), (4, 8, 1, 4), (4, 8, 3, 4), (4, 8, None, 2), (4, 8, None, 8),
+            (2, 8, None, 4), (8, 4, None, 4), (4, 4, None, 4), (1, 8, None, 4)]
 INTERPRET = False
 
 
@@ -68,17 +74,18 @@ def reference(qkv, cos, sin, slots, table, lens, k, v):
     return paged_attention_reference(q, k_new, v_new, table, lens)
 
 
-def layer_chain(splits: int, ppcb: int):
-    """LAYERS fused decode launches, one per pool pair (donated, returned)."""
+def layer_chain(splits: int, ppcb: int, stages: int | None, warps: int):
+    """ROUNDS x LAYERS fused decode launches, one per pool pair in turn (donated, returned)."""
     def run(qkv, cos, sin, slots, table, lens, *pools):
-        outs, new_pools = [], []
-        for layer in range(LAYERS):
-            out, k, v = rope_paged_attention(
-                qkv, cos, sin, slots, pools[2 * layer], pools[2 * layer + 1], table, lens,
-                num_splits=splits, pages_per_compute_block=ppcb, interpret=INTERPRET)
-            outs.append(out[0, 0, 0])
-            new_pools += [k, v]
-        return (jnp.stack(outs), *new_pools)
+        outs, pools = [], list(pools)
+        for _ in range(ROUNDS):
+            for layer in range(LAYERS):
+                out, pools[2 * layer], pools[2 * layer + 1] = rope_paged_attention(
+                    qkv, cos, sin, slots, pools[2 * layer], pools[2 * layer + 1], table, lens,
+                    num_splits=splits, pages_per_compute_block=ppcb, num_stages=stages,
+                    num_warps=warps, interpret=INTERPRET)
+                outs.append(out[0, 0, 0])
+        return (jnp.stack(outs), *pools)
     return jax.jit(run, donate_argnums=tuple(range(6, 6 + 2 * LAYERS)))
 
 
@@ -87,40 +94,42 @@ def main() -> None:
     parser.add_argument("--out_dir", default="")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    global INTERPRET, LAYERS, REPS, Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES
+    global INTERPRET, LAYERS, REPS, ROUNDS, Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES
     contexts, variants = CONTEXTS, VARIANTS
     if args.smoke:
-        INTERPRET, LAYERS, REPS = True, 2, 1
+        INTERPRET, LAYERS, REPS, ROUNDS = True, 2, 1, 1
         Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES = 8, 2, 32, 16
-        contexts, variants = (37, 100), VARIANTS[:2] + [(8, 1)]
+        contexts, variants = (37, 100), VARIANTS[:2] + [(8, 1, None, 4)]
     rng = np.random.default_rng(0)
     rows = []
     for ctx in contexts:
         inputs, pools = make_layer_inputs(rng, ctx)
         want = reference(*inputs, pools[0], pools[1])
         base = None
-        for splits, ppcb in variants:
-            label = f"{splits} splits, {ppcb} pages per step"
+        for splits, ppcb, stages, warps in variants:
+            label = f"{splits} splits x {ppcb} pages, {stages or 2} stages, {warps} warps"
             got, _, _ = rope_paged_attention(*inputs[:4], pools[0], pools[1], *inputs[4:],
                                              num_splits=splits, pages_per_compute_block=ppcb,
+                                             num_stages=stages, num_warps=warps,
                                              interpret=INTERPRET)
             err = float(jnp.linalg.norm((got[0] - want[0]).astype(jnp.float32))
                         / jnp.linalg.norm(want[0].astype(jnp.float32)))
             if not err < 2e-2 or not bool(jnp.isfinite(got).all()):
                 sys.exit(f"FAIL ctx {ctx} {label}: relative error {err:.3g}")
             fresh = [jnp.copy(p) for p in pools]
-            us = back_to_back(layer_chain(splits, ppcb), *inputs, *fresh, reps=REPS,
-                              donated=2 * LAYERS) / LAYERS * 1e6
+            us = back_to_back(layer_chain(splits, ppcb, stages, warps), *inputs, *fresh, reps=REPS,
+                              donated=2 * LAYERS) / (ROUNDS * LAYERS) * 1e6
             base = us if base is None else base
-            rows.append({"context": ctx, "splits": splits, "ppcb": ppcb,
+            rows.append({"context": ctx, "splits": splits, "ppcb": ppcb, "stages": stages or 2,
+                         "warps": warps,
                          "us_per_layer": us, "rel_err": err})
-            print(f"ctx {ctx:4d}  {label:28s} {us:7.2f} us/layer  ({us / base:.3f} of the "
+            print(f"ctx {ctx:4d}  {label:36s} {us:7.2f} us/layer  ({us / base:.3f} of the "
                   f"default)  err {err:.1e}", flush=True)
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "probe_decode_latency.json"), "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                       "layers": LAYERS, "rows": rows}, f, indent=1)
+                       "layers": LAYERS, "rounds": ROUNDS, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
