@@ -40,8 +40,8 @@ ROUNDS = 8
 CONTEXTS = (200, 384, 512, 640)
 # (splits, pages per loop step, pipeline stages, warps); the first is the engine's default
 # (stages None: the kernel's default, 2)
-VARIANTS = [(4, 8, None, 4), (4, 8, 1, 4), (4, 8, 3, 4), (4, 8, None, 2), (4, 8, None, 8),
-            (2, 8, None, 4), (8, 4, None, 4), (4, 4, None, 4), (1, 8, None, 4)]
+VARIANTS = [(4, 8, None, 4), (4, 8, None, 8), (4, 4, None, 4), (4, 8, 1, 4), (4, 8, 3, 4),
+            (4, 8, None, 2), (2, 8, None, 4), (8, 4, None, 4), (1, 8, None, 4)]
 INTERPRET = False
 
 
@@ -93,9 +93,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out_dir", default="")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                        help="comma-separated context lengths")
+    parser.add_argument("--max_variants", type=int, default=len(VARIANTS),
+                        help="time only the first N variants of VARIANTS")
     args = parser.parse_args()
     global INTERPRET, LAYERS, REPS, ROUNDS, Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES
-    contexts, variants = CONTEXTS, VARIANTS
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    variants = VARIANTS[:args.max_variants]
     if args.smoke:
         INTERPRET, LAYERS, REPS, ROUNDS = True, 2, 1, 1
         Q_HEADS, KV_HEADS, HEAD_DIM, TABLE_PAGES = 8, 2, 32, 16
