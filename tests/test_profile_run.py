@@ -91,19 +91,21 @@ def test_pool_leaves_room_to_autotune_the_largest_weight():
 
 
 def test_engine_pool_counts_the_reserve(monkeypatch):
-    """The engine's own sizing subtracts the reserve: raising it by a block's worth of
-    weights takes blocks out of the pool."""
+    """The engine's own sizing subtracts the reserve: keeping about 16 MiB free for
+    autotuning takes blocks out of the pool."""
     limit = _live_bytes() + (256 << 20)
     monkeypatch.setattr(memory, "device_memory_stats",
                         lambda: {"bytes_limit": limit, "bytes_in_use": _live_bytes()})
-    pools = []
-    monkeypatch.setattr(memory, "AUTOTUNE_RESERVE_WEIGHTS", 0)
-    for _ in range(2):
+
+    def pool_and_largest_weight(reserve_weights: int) -> tuple[int, int]:
+        monkeypatch.setattr(memory, "AUTOTUNE_RESERVE_WEIGHTS", reserve_weights)
         llm = LLM("tiny", max_model_len=512, compilation_cache_dir=None)
-        pools.append(llm.llm_engine.metrics.num_blocks)
-        largest = memory.largest_weight_bytes(llm.llm_engine.runner.params)
+        result = (llm.llm_engine.metrics.num_blocks,
+                  memory.largest_weight_bytes(llm.llm_engine.runner.params))
         llm.shutdown()
         gc.collect()
-        # the second engine keeps about 16 MiB free for autotuning
-        monkeypatch.setattr(memory, "AUTOTUNE_RESERVE_WEIGHTS", (16 << 20) // largest)
-    assert 64 < pools[1] < pools[0]
+        return result
+
+    without, largest = pool_and_largest_weight(0)
+    with_reserve, _ = pool_and_largest_weight((16 << 20) // largest)
+    assert 64 < with_reserve < without
