@@ -50,9 +50,17 @@ class SampleResult(NamedTuple):
     prompt_top_logprobs: jax.Array  # [P, KP] float32
 
 
+SAMPLING_MODES = ("greedy", "random", "filtered")
+
+
 def _filtered_sample(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                     key: jax.Array) -> jax.Array:
-    """Sample one id from logits row `x` (already temperature-scaled) after k/p/min-p filters."""
+                     gumbel: jax.Array) -> jax.Array:
+    """Sample one id from logits row `x` (already temperature-scaled) after k/p/min-p filters.
+
+    `gumbel` holds one draw per token id, the same draws the unfiltered path uses, so a row
+    whose filters are all off picks the same token on either path (Gumbel-max over the same
+    values): its tokens do not depend on whether a batch-mate asked for a filter.
+    """
     vocab = x.shape[0]
     order = jnp.argsort(-x)
     vals = x[order]
@@ -60,11 +68,10 @@ def _filtered_sample(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: ja
     rank = jnp.arange(vocab)
     keep = (top_k <= 0) | (rank < top_k)
     cum_before = jnp.cumsum(probs) - probs
-    keep &= cum_before < top_p
+    keep &= (top_p >= 1.0) | (cum_before < top_p)    # float sums can reach 1 before the tail
     keep &= probs >= min_p * probs[0]
     keep = keep.at[0].set(True)
-    gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)
-    choice = jnp.argmax(jnp.where(keep, vals + gumbel, -jnp.inf))
+    choice = jnp.argmax(jnp.where(keep, vals + gumbel[order], -jnp.inf))
     return order[choice].astype(jnp.int32)
 
 
@@ -111,21 +118,31 @@ def _prompt_logprobs(logits: jax.Array, st: SamplingTensors,
     return own, top_ids.astype(jnp.int32), top_lp
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, all_greedy: bool, num_logprobs: int,
+def sample(logits: jax.Array, st: SamplingTensors, *, mode: str, num_logprobs: int,
            num_prompt_logprobs: int = 0, fed_tokens: jax.Array | None = None) -> SampleResult:
-    """logits `[S(+P), V]` float32 -> one token per sampling row. `all_greedy`, `num_logprobs`
-    and `num_prompt_logprobs` are static. `fed_tokens [R]` is the token each row's step fed
-    (needed only when `st.history` is in use); the last P logits rows are prompt positions."""
+    """logits `[S(+P), V]` float32 -> one token per sampling row. `mode`, `num_logprobs` and
+    `num_prompt_logprobs` are static; `mode` is the step's cheapest sufficient path
+    (`SAMPLING_MODES`): every row greedy; some rows sampled, none filtered (Gumbel-max over
+    the whole vocabulary, no sort); some row with top-k, top-p or min-p (one sort per row).
+    `fed_tokens [R]` is the token each row's step fed (needed only when `st.history` is in
+    use); the last P logits rows are prompt positions."""
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"mode must be one of {SAMPLING_MODES}, got {mode!r}")
     rows = logits[st.logits_rows].astype(jnp.float32)             # [R, V]
     raw_logprobs = jax.nn.log_softmax(rows, axis=-1)
     rows = process_logits(rows, st, fed_tokens)
     greedy_ids = jnp.argmax(rows, axis=-1).astype(jnp.int32)
-    if all_greedy:
+    if mode == "greedy":
         tokens = greedy_ids
     else:
+        vocab = rows.shape[-1]
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(st.seeds, st.steps)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
         temp = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
-        sampled = jax.vmap(_filtered_sample)(rows / temp, st.top_k, st.top_p, st.min_p, keys)
+        if mode == "random":
+            sampled = jnp.argmax(rows / temp + gumbel, axis=-1).astype(jnp.int32)
+        else:
+            sampled = jax.vmap(_filtered_sample)(rows / temp, st.top_k, st.top_p, st.min_p, gumbel)
         tokens = jnp.where(st.temperature > 0, sampled, greedy_ids)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs:

@@ -64,7 +64,18 @@ def today_step_fn():
     from paxkv.model.llama import forward
     from paxkv.runner import transfer
     from paxkv.runner.runner import _unpack_inputs
-    from paxkv.sampler import _filtered_sample
+
+    def filtered_sample(x, top_k, top_p, min_p, key):
+        """The filtered draw as it was then: sort, k/p/min-p masks, Gumbel over sorted ranks."""
+        order = jnp.argsort(-x)
+        vals = x[order]
+        probs = jax.nn.softmax(vals)
+        keep = (top_k <= 0) | (jnp.arange(x.shape[0]) < top_k)
+        keep &= jnp.cumsum(probs) - probs < top_p
+        keep &= probs >= min_p * probs[0]
+        keep = keep.at[0].set(True)
+        gumbel = jax.random.gumbel(key, x.shape, jnp.float32)
+        return order[jnp.argmax(jnp.where(keep, vals + gumbel, -jnp.inf))].astype(jnp.int32)
 
     def step(params, pool, inputs, *, spec, cfg, backend, decode_only):
         batch, st, _ = _unpack_inputs(inputs, spec)
@@ -74,7 +85,7 @@ def today_step_fn():
         greedy = jnp.argmax(rows, axis=-1).astype(jnp.int32)
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(st.seeds, st.steps)
         temp = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
-        sampled = jax.vmap(_filtered_sample)(rows / temp, st.top_k, st.top_p, st.min_p, keys)
+        sampled = jax.vmap(filtered_sample)(rows / temp, st.top_k, st.top_p, st.min_p, keys)
         tokens = jnp.where(st.temperature > 0, sampled, greedy)
         chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
         return transfer.pack_device((tokens, chosen)), pool

@@ -86,11 +86,11 @@ def profile_batch(runner, b: int) -> dict:
         runner.execute(items, rows)
         sync.append(time.perf_counter() - t)
     # Back to back: the same device inputs, no wait until the end.
-    batch, decode_only, st, all_greedy, k = runner.pack_step(items, rows)
+    batch, decode_only, st, mode, k = runner.pack_step(items, rows)
     inputs, spec = _pack_inputs(batch, st, runner.mesh)
     pool = runner.kv_pool
     kw = dict(spec=spec, cfg=cfg, backend=runner.backend, decode_only=decode_only,
-              all_greedy=all_greedy, num_logprobs=k, mesh=runner.mesh)
+              sampling_mode=mode, num_logprobs=k, mesh=runner.mesh)
     prev = runner._last_tokens
     res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)
     jax.block_until_ready(res)

@@ -12,7 +12,7 @@ from paxkv.config import PRESETS, runner_config
 from paxkv.engine.llm_engine import LLMEngine
 from paxkv.engine.step_io import SampleRow, WorkItem
 from paxkv.runner import Runner
-from paxkv.runner.precompile import dummy_step, reachable_step_shapes
+from paxkv.runner.precompile import SAMPLERS, dummy_step, reachable_step_shapes
 from tests.engine_helpers import make_runner_config
 
 
@@ -29,7 +29,7 @@ def _engine(llm: LLM) -> LLMEngine:
 
 def _staggered(engine: LLMEngine, seed: int) -> dict[str, list[int]]:
     """Requests join a running batch every few steps: mid-block prompt lengths, chunked
-    prefills, greedy and seeded sampling, early stops."""
+    prefills, greedy and seeded sampling with and without top-p, early stops."""
     rng = random.Random(seed)
     arrivals = sorted((rng.randrange(0, 40), i) for i in range(14))
     outputs: dict[str, list[int]] = {}
@@ -40,6 +40,7 @@ def _staggered(engine: LLMEngine, seed: int) -> dict[str, list[int]]:
             prompt = [rng.randrange(3, 4000) for _ in range(rng.randint(3, 150))]
             sampled = i % 2 == 1
             params = SamplingParams(temperature=0.8 if sampled else 0.0, seed=i if sampled else None,
+                                    top_p=0.9 if i % 4 == 3 else 1.0,
                                     max_tokens=rng.randint(1, 30), ignore_eos=True, detokenize=False)
             engine.add_request(str(i), prompt, params)
         for out in engine.step():
@@ -68,7 +69,7 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
         batch, decode_only, st, _, _ = runner.pack_step(items, rows)
         return decode_only, batch.token_ids.shape[0], batch.block_tables.shape, st.seeds.shape[0]
 
-    listed = {key(*dummy_step(s, config, 0.0)) for s in shapes}
+    listed = {key(*dummy_step(s, config)) for s in shapes}
     assert len(listed) == len(shapes)          # one program each
     rng = random.Random(0)
     for _ in range(300):                       # random steps a run could schedule
@@ -89,7 +90,7 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
 def test_no_compilation_after_precompile_and_outputs_unchanged(llm):
     engine = _engine(llm)
     compiled = engine.runner.precompile(use_tqdm=False)
-    assert compiled == engine.runner.num_compilations == 2 * len(reachable_step_shapes(engine.runner.config))
+    assert compiled == engine.runner.num_compilations == len(SAMPLERS) * len(reachable_step_shapes(engine.runner.config))
     got = _staggered(engine, seed=5)
     assert engine.runner.num_compilations == compiled, "a request waited on a compilation"
     assert engine.block_manager.num_used_blocks == 0

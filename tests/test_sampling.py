@@ -106,3 +106,75 @@ def test_eos_stops_unless_ignored(llm):
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.llm_engine.eos_token_ids
     out2 = gen(llm, [chat], temperature=0.0, max_tokens=len(out.token_ids) + 3, ignore_eos=True)[0].outputs[0]
     assert out2.finish_reason == "length" and out2.token_ids[:len(out.token_ids)] == out.token_ids
+
+
+def _pack(rows, vocab):
+    """Sampling tensors and mode for `rows`, as the runner packs them for a step."""
+    from paxkv.runner import Runner
+    r = Runner.__new__(Runner)
+    r.cfg = type("C", (), {"vocab_size": vocab})()
+    r.row_buckets = [len(rows)]
+    st, mode, _ = Runner.pack_sampling(r, rows)
+    return jax.tree.map(jnp.asarray, st), mode
+
+
+def test_sampling_mode_is_the_cheapest_path_the_rows_need():
+    from paxkv.engine.step_io import SampleRow
+    assert _pack([SampleRow(0), SampleRow(0, 0.0, top_p=0.5)], 64)[1] == "greedy"
+    assert _pack([SampleRow(0), SampleRow(0, 1.0, seed=2)], 64)[1] == "random"
+    for filt in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        assert _pack([SampleRow(0, 0.7), SampleRow(0, 1.0, **filt)], 64)[1] == "filtered"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_unfiltered_rows_draw_the_same_token_on_the_sorting_path(seed):
+    """A row with every filter off picks the same token whether its step sorts (a batch-mate
+    asked for a filter) or not: both paths take Gumbel-max over the same per-token draws.
+    Fresh logits with banned (-inf) entries, temperatures, seeds and steps per row."""
+    from paxkv.engine.step_io import SampleRow
+    from paxkv.sampler import sample
+    rng = np.random.default_rng(seed)
+    rows_n, vocab = 24, 3000
+    logits = rng.normal(size=(rows_n, vocab)).astype(np.float32) * rng.uniform(0.5, 4, (rows_n, 1))
+    logits[rng.random((rows_n, vocab)) < 0.05] = -np.inf
+    rows = [SampleRow(i, float(rng.uniform(0.3, 2.0)), seed=int(rng.integers(1 << 30)),
+                      step=int(rng.integers(100))) for i in range(rows_n)]
+    st, mode = _pack(rows, vocab)
+    assert mode == "random"
+    x = jnp.asarray(logits)
+    random_path = np.asarray(sample(x, st, mode="random", num_logprobs=0).tokens)
+    sorting_path = np.asarray(sample(x, st, mode="filtered", num_logprobs=0).tokens)
+    np.testing.assert_array_equal(random_path, sorting_path)
+    assert np.isfinite(logits[np.arange(rows_n), random_path]).all()
+    assert len(set(random_path.tolist())) > rows_n // 2        # draws, not one fixed token
+    other = [r._replace(seed=r.seed + 1) for r in rows]
+    assert (np.asarray(sample(x, _pack(other, vocab)[0], mode="random", num_logprobs=0).tokens)
+            != random_path).any()
+
+
+def test_random_path_samples_the_tempered_softmax():
+    """Gumbel-max without a sort draws token i with probability softmax(x / T)_i."""
+    from paxkv.engine.step_io import SampleRow
+    from paxkv.sampler import sample
+    x = np.array([1.0, 0.2, -0.5, 0.9, -2.0], np.float32)
+    temperature, draws = 0.7, 4000
+    rows = [SampleRow(0, temperature, seed=s) for s in range(draws)]
+    st, mode = _pack(rows, x.size)
+    assert mode == "random"
+    tokens = np.asarray(sample(jnp.asarray(x[None]), st, mode="random", num_logprobs=0).tokens)
+    freq = np.bincount(tokens, minlength=x.size) / draws
+    want = np.exp(x / temperature) / np.exp(x / temperature).sum()
+    np.testing.assert_allclose(freq, want, atol=0.03)   # 4 standard errors at p = 0.5
+
+
+def test_top_p_one_keeps_the_tail_float_sums_would_cut():
+    """top_p = 1.0 turns the filter off: the float32 running sum of sorted probabilities
+    reaches 1.0 before the last tokens on this row, and they must stay drawable."""
+    from paxkv.sampler import _filtered_sample
+    x = jnp.asarray((np.random.default_rng(0).normal(size=1000) * 3).astype(np.float32))
+    probs = jax.nn.softmax(x[jnp.argsort(-x)])
+    assert bool(((jnp.cumsum(probs) - probs) >= 1.0).any())    # the case this test is about
+    tail = int(jnp.argmin(x))
+    gumbel = jnp.zeros_like(x).at[tail].set(1e4)                # a draw that favours the tail
+    assert int(_filtered_sample(x, jnp.int32(-1), jnp.float32(1.0), jnp.float32(0.0), gumbel)) == tail
+    assert int(_filtered_sample(x, jnp.int32(-1), jnp.float32(0.999), jnp.float32(0.0), gumbel)) != tail

@@ -24,8 +24,9 @@ def profile_activation_bytes(config: RunnerConfig, params: Any, mesh: Any = None
     """Device bytes the largest step needs beyond weights and pool.
 
     Compiles one prefill step of `max_num_batched_tokens` tokens that samples `max_num_seqs`
-    rows at a temperature (vLLM's dummy sampler run: the sampler's temporaries grow with the
-    rows, 4.9 GiB at 1,024 Llama-3 rows on a GPU, far more than a greedy step's), every shape
+    rows at a temperature through a top-p filter (vLLM's dummy sampler run, on the sampler's
+    largest path: its per-row sorts' temporaries grow with the rows, 4.9 GiB at 1,024 Llama-3
+    rows on a GPU, far more than a greedy step's), every shape
     at its largest bucket, over the config's pool (before sizing: `PROFILE_NUM_BLOCKS`
     blocks) and returns its scratch plus non-aliased outputs, from XLA's memory analysis. 0
     where the backend gives no analysis. Under tensor parallelism (`mesh`) the figure is one
@@ -37,7 +38,7 @@ def profile_activation_bytes(config: RunnerConfig, params: Any, mesh: Any = None
     tokens = min(config.max_num_batched_tokens, config.max_model_len - 1)
     item = WorkItem([0] * tokens, 0, [0] * math.ceil(tokens / config.block_size))
     try:
-        rows = [SampleRow(0, temperature=1.0, seed=i) for i in range(config.max_num_seqs)]
+        rows = [SampleRow(0, temperature=1.0, top_p=0.9, seed=i) for i in range(config.max_num_seqs)]
         return runner.step_scratch_bytes([item], rows)
     finally:
         runner.release(params=False)

@@ -53,9 +53,15 @@ def reachable_step_shapes(config: RunnerConfig) -> list[StepShape]:
     return list(shapes.values())
 
 
+# One row per sampler mode (`sampling.rows.sampling_mode`): greedy, sampled, and sampled
+# through a filter (top-p here), each its own program: (temperature, top_p).
+SAMPLERS = ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9))
+
+
 def dummy_step(shape: StepShape, config: RunnerConfig,
-               temperature: float) -> tuple[list[WorkItem], list[SampleRow]]:
-    """Work items and rows that pack to `shape`, every token written to the null block."""
+               sampler: tuple[float, float] = SAMPLERS[0]) -> tuple[list[WorkItem], list[SampleRow]]:
+    """Work items and rows that pack to `shape`, every token written to the null block;
+    the rows sample with `sampler` ((temperature, top_p), one of `SAMPLERS`)."""
     bs = config.block_size
     if shape.decode_only:
         items = [WorkItem([0], 0, [NULL_BLOCK]) for _ in range(shape.num_tokens)]
@@ -66,5 +72,6 @@ def dummy_step(shape: StepShape, config: RunnerConfig,
             q = min(chunk, left)
             items.append(WorkItem([0] * q, 0, [NULL_BLOCK] * -(-q // bs)))
             left -= q
-    rows = [SampleRow(i % len(items), temperature, seed=i) for i in range(shape.num_rows)]
+    temperature, top_p = sampler
+    rows = [SampleRow(i % len(items), temperature, top_p=top_p, seed=i) for i in range(shape.num_rows)]
     return items, rows

@@ -26,7 +26,7 @@ from paxkv.runner import transfer
 from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, sample
-from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features
+from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features, sampling_mode
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -78,7 +78,7 @@ def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, 
 
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
              spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
-             all_greedy: bool, num_logprobs: int, num_prompt_logprobs: int = 0,
+             sampling_mode: str, num_logprobs: int, num_prompt_logprobs: int = 0,
              hidden_layers: tuple[int, ...] = (),
              mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
@@ -89,14 +89,14 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
     """
     logits, fed, hidden, kv_pool, st = _forward_with_features(
         params, kv_pool, inputs, prev_tokens, spec, cfg, backend, decode_only, hidden_layers, mesh)
-    result = sample(logits, st, all_greedy=all_greedy, num_logprobs=num_logprobs,
+    result = sample(logits, st, mode=sampling_mode, num_logprobs=num_logprobs,
                     num_prompt_logprobs=num_prompt_logprobs, fed_tokens=fed)
     arrays = tuple(result) + ((hidden,) if hidden_layers else ())
     return (transfer.pack_device(arrays), _pad_rows(result.tokens, prev_tokens.shape[0]),
             kv_pool)
 
 
-_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "all_greedy",
+_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "sampling_mode",
                                                "num_logprobs", "num_prompt_logprobs",
                                                "hidden_layers", "mesh"), donate_argnums=(1,))
 
@@ -113,12 +113,12 @@ def _forward_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens
 
 
 def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax.Array,
-               masks: jax.Array, prev_tokens: jax.Array, *, spec: transfer.Spec, all_greedy: bool,
+               masks: jax.Array, prev_tokens: jax.Array, *, spec: transfer.Spec, sampling_mode: str,
                num_logprobs: int, num_prompt_logprobs: int,
                has_hidden: bool) -> tuple[jax.Array, jax.Array]:
     """The sampling half of a split step, with the grammar masks that arrived meanwhile."""
     _, st, _ = _unpack_inputs(inputs, spec)
-    result = sample(logits, st._replace(masks=masks), all_greedy=all_greedy,
+    result = sample(logits, st._replace(masks=masks), mode=sampling_mode,
                     num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs,
                     fed_tokens=fed)
     return (transfer.pack_device(tuple(result) + ((hidden,) if has_hidden else ())),
@@ -127,12 +127,12 @@ def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax
 
 _jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "backend", "decode_only",
                                                      "hidden_layers", "mesh"), donate_argnums=(1,))
-_jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "all_greedy", "num_logprobs",
+_jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "sampling_mode", "num_logprobs",
                                                    "num_prompt_logprobs", "has_hidden"))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-                     spec: transfer.Spec, cfg: ModelConfig, backend: str, all_greedy: bool,
+                     spec: transfer.Spec, cfg: ModelConfig, backend: str, sampling_mode: str,
                      num_steps: int, mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
@@ -155,7 +155,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
         logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True, mesh=mesh)
-        res = sample(logits, st._replace(steps=st.steps + j), all_greedy=all_greedy, num_logprobs=0,
+        res = sample(logits, st._replace(steps=st.steps + j), mode=sampling_mode, num_logprobs=0,
                      fed_tokens=tokens)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
@@ -169,7 +169,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
             kv_pool)
 
 
-_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "all_greedy",
+_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "sampling_mode",
                                                                "num_steps", "mesh"), donate_argnums=(1,))
 
 
@@ -359,7 +359,7 @@ class Runner:
     def pack_step(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
                   ) -> tuple[StepBatch, bool, SamplingTensors, bool, int]:
         """`pack` and `pack_sampling` as a step's program sees them: (batch, decode_only,
-        sampling tensors, all_greedy, top-logprob k). On fixed shapes a prefill or mixed step
+        sampling tensors, sampling mode, top-logprob k). On fixed shapes a prefill or mixed step
         samples at least `buckets.mixed_step_row_floor` rows."""
         batch, decode_only = self.pack(items)
         floor = 0
@@ -388,10 +388,10 @@ class Runner:
         st = SamplingTensors(col(0, np.int32, 0), temperature, col(2, np.int32, -1),
                              col(3, np.float32, 1.0), col(4, np.float32, 0.0), col(5, np.int32, 0),
                              col(6, np.int32, 0), banned, *features, *_NO_PROMPT_LOGPROBS)
-        all_greedy = not bool(np.any(temperature[:n] > 0.0))
+        mode = sampling_mode(temperature[:n], st.top_k[:n], st.top_p[:n], st.min_p[:n])
         k = max(cols[8]) if n else 0
         k = 0 if k == 0 else min(self.cfg.vocab_size, 1 << (k - 1).bit_length())
-        return st, all_greedy, k
+        return st, mode, k
 
     def _dispatched(self, pending: "PendingStep") -> "PendingStep":
         """Compile accounting happens at dispatch: a new bucket's first call traces and
@@ -417,15 +417,15 @@ class Runner:
         num_seqs = batch.context_lens.shape[0]
         n = len(items)
         padded = list(rows) + [SampleRow(i) for i in range(n, num_seqs)]
-        st, all_greedy, _ = self.pack_sampling(padded)
+        st, mode, _ = self.pack_sampling(padded)
         st = jax.tree.map(lambda x: x[:num_seqs], st)
         pack_s = time.perf_counter() - t0
-        key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], all_greedy, num_steps)
+        key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], mode, num_steps)
         new = key not in self.compiled_keys
         inputs, spec = _pack_inputs(batch, st, self.mesh)
         out, self._last_tokens, self.kv_pool = _jit_multi_decode(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, all_greedy=all_greedy, num_steps=num_steps, mesh=self.mesh)
+            backend=self.backend, sampling_mode=mode, num_steps=num_steps, mesh=self.mesh)
         shape = (num_steps, num_seqs)
         return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
                                             new, t0, time.perf_counter(), pack_s, multi=True))
@@ -442,7 +442,7 @@ class Runner:
         with the masks (one more small transfer).
         """
         t0 = time.perf_counter()
-        batch, decode_only, st, all_greedy, k = self.pack_step(items, rows)
+        batch, decode_only, st, mode, k = self.pack_step(items, rows)
         hidden_at, spans = None, None
         if any(it.features is not None for it in items):
             prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(
@@ -455,12 +455,12 @@ class Runner:
         if fill_masks is not None:     # the masks travel in the second half
             st = st._replace(masks=np.zeros((0, masks_shape[1]), np.int32))
         inputs, spec = _pack_inputs(batch, st, self.mesh, hidden_at)
-        key = (spec, decode_only, all_greedy, k, kp, layers, fill_masks is not None, masks_shape)
+        key = (spec, decode_only, mode, k, kp, layers, fill_masks is not None, masks_shape)
         new = key not in self.compiled_keys
         if fill_masks is None:
             out, self._last_tokens, self.kv_pool = _jit_step(
                 self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-                backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
+                backend=self.backend, decode_only=decode_only, sampling_mode=mode,
                 num_logprobs=k, num_prompt_logprobs=kp, hidden_layers=layers, mesh=self.mesh)
         else:
             logits, fed, hidden, self.kv_pool = _jit_forward(
@@ -472,7 +472,7 @@ class Runner:
             pack_s += time.perf_counter() - t_mask
             out, self._last_tokens = _jit_sample(
                 logits, fed, hidden, inputs, self._ids(masks), self._last_tokens, spec=spec,
-                all_greedy=all_greedy, num_logprobs=k, num_prompt_logprobs=kp,
+                sampling_mode=mode, num_logprobs=k, num_prompt_logprobs=kp,
                 has_hidden=bool(layers))
         r = st.seeds.shape[0]
         p = st.prompt_positions.shape[0]
@@ -505,21 +505,22 @@ class Runner:
         return host, timing
 
     def precompile(self, num_scheduler_steps: int = 1, use_tqdm: bool = True) -> int:
-        """Compile every step program of `precompile.reachable_step_shapes`, greedy and sampled
-        (and the multi-step decode of each decode bucket when `num_scheduler_steps` > 1), so
-        no request of a plain workload waits on a compilation. Call before the first request:
-        the dummy steps write only the null block. Returns the programs compiled."""
-        from paxkv.runner.precompile import dummy_step, reachable_step_shapes
+        """Compile every step program of `precompile.reachable_step_shapes` in each sampler
+        mode (greedy, sampled, sampled with top-k/top-p/min-p; `precompile.SAMPLERS`), and the
+        multi-step decode of each decode bucket when `num_scheduler_steps` > 1, so no request
+        of a plain workload waits on a compilation. Call before the first request: the dummy
+        steps write only the null block. Returns the programs compiled."""
+        from paxkv.runner.precompile import SAMPLERS, dummy_step, reachable_step_shapes
         shapes = reachable_step_shapes(self.config)
-        work = [(shape, temperature, steps) for shape in shapes for temperature in (0.0, 1.0)
+        work = [(shape, sampler, steps) for shape in shapes for sampler in SAMPLERS
                 for steps in ((1, num_scheduler_steps) if shape.decode_only and num_scheduler_steps > 1
                               else (1,))]
         before, saved = self.num_compilations, self._last_tokens
         if use_tqdm:
             from tqdm.auto import tqdm
             work = tqdm(work, desc="Precompiling step shapes", dynamic_ncols=True)
-        for shape, temperature, steps in work:
-            items, rows = dummy_step(shape, self.config, temperature)
+        for shape, sampler, steps in work:
+            items, rows = dummy_step(shape, self.config, sampler)
             if steps > 1:
                 self.fetch(self.dispatch_multi_decode(items, rows, steps))
             else:
@@ -530,11 +531,11 @@ class Runner:
     def step_scratch_bytes(self, items: Sequence[WorkItem], rows: Sequence[SampleRow]) -> int:
         """Device memory one step over `items` needs beyond its inputs, by XLA's analysis of
         the compiled program (so it does not depend on what else the process allocated)."""
-        batch, decode_only, st, all_greedy, k = self.pack_step(items, rows)
+        batch, decode_only, st, mode, k = self.pack_step(items, rows)
         inputs, spec = _pack_inputs(batch, st, self.mesh, None)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, decode_only=decode_only, all_greedy=all_greedy,
+            backend=self.backend, decode_only=decode_only, sampling_mode=mode,
             num_logprobs=k, mesh=self.mesh).compile()
         mem = compiled.memory_analysis()
         if mem is None:

@@ -12,6 +12,18 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 
+def sampling_mode(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> str:
+    """The sampler path a step's rows need (`sampler.SAMPLING_MODES`): "greedy" when no row
+    samples, "filtered" when a sampled row has top-k, top-p or min-p on (a sort of each
+    row), else "random" (Gumbel-max, no sort; the OpenAI API's defaults land here)."""
+    sampled = temperature > 0.0
+    if not sampled.any():
+        return "greedy"
+    filtered = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    return "filtered" if filtered.any() else "random"
+
+
 class RowFeatures(NamedTuple):
     """What one sampling row needs beyond SampleRow's scalars; None / empty = off."""
 
