@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layer_ops.rope_kv_write import rope_kv_write_reference
-from pallas_kernels.paged_attention import paged_attention_reference, rope_paged_attention
+from pallas_kernels.paged_attention import rope_paged_attention, rope_paged_attention_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
@@ -67,13 +66,6 @@ def make_layer_inputs(rng, ctx: int):
             jnp.asarray(lens)), pools
 
 
-def reference(qkv, cos, sin, slots, table, lens, k, v):
-    nb, bs = k.shape[:2]
-    dropped = jnp.where(slots < 0, nb * bs + 1, slots)
-    q, k_new, v_new = rope_kv_write_reference(qkv, cos, sin, dropped, k, v)
-    return paged_attention_reference(q, k_new, v_new, table, lens)
-
-
 def layer_chain(splits: int, ppcb: int, stages: int | None, warps: int):
     """ROUNDS x LAYERS fused decode launches, one per pool pair in turn (donated, returned)."""
     def run(qkv, cos, sin, slots, table, lens, *pools):
@@ -109,7 +101,8 @@ def main() -> None:
     rows = []
     for ctx in contexts:
         inputs, pools = make_layer_inputs(rng, ctx)
-        want = reference(*inputs, pools[0], pools[1])
+        qkv, cos, sin, slots, table, lens = inputs
+        want = rope_paged_attention_reference(qkv, cos, sin, slots, pools[0], pools[1], table, lens)[0]
         base = None
         for splits, ppcb, stages, warps in variants:
             label = f"{splits} splits x {ppcb} pages, {stages or 2} stages, {warps} warps"

@@ -1,5 +1,5 @@
 """The fused decode kernel (RoPE + KV-page write + attention in one launch) against the two
-steps it replaces, run by their references: `rope_kv_write_reference`, then
+steps it replaces, run by `rope_paged_attention_reference`: `rope_kv_write_reference`, then
 `paged_attention_reference` over the pages it wrote. Fresh random inputs: permuted block
 tables, lengths ending mid-block, length 1 (the new token alone), padding rows (length 0,
 slot outside the pool), GQA 1/4/8, split-K, fp32 and bf16; interpret mode on the CPU,
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from kernel_helpers import HEAD_DIM, TOL, rel_err
-from pallas_kernels.layer_ops.rope_kv_write import rope_kv_write_reference
-from pallas_kernels.paged_attention import paged_attention_reference, rope_paged_attention
+from pallas_kernels.paged_attention import rope_paged_attention, rope_paged_attention_reference
 from test_paged_attention_kernel import make_case
 
 
@@ -34,14 +33,6 @@ def make_fused_case(seed, *, q_heads, kv_heads, block_size, max_blocks, lens, dt
     return (qkv, jnp.cos(angles), jnp.sin(angles), jnp.asarray(slots), k, v, tables, lens_)
 
 
-def reference(qkv, cos, sin, slots, k, v, tables, lens):
-    """The unfused steps: rotate and write, then attend over the written pages (jnp)."""
-    nb, bs = k.shape[:2]
-    dropped = jnp.where(slots < 0, nb * bs + 1, slots)    # jnp drops out-of-range writes
-    q, k_new, v_new = rope_kv_write_reference(qkv, cos, sin, dropped, k, v)
-    return paged_attention_reference(q, k_new, v_new, tables, lens), k_new, v_new
-
-
 CASES = [
     # (q_heads, kv_heads, block_size, max_blocks, lens, dtype, splits, ppcb)
     (4, 4, 8, 6, [37, 1, 48, 0], jnp.float32, 1, 2),      # GQA 1, length 1, padding row
@@ -59,7 +50,7 @@ def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block
     case = make_fused_case(seed, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
                            max_blocks=max_blocks, lens=lens, dtype=dtype)
     qkv, cos, sin, slots, k, v, tables, lens_ = case
-    want, want_k, want_v = reference(*case)
+    want, want_k, want_v = rope_paged_attention_reference(*case)
     out, got_k, got_v = rope_paged_attention(qkv, cos, sin, slots, k, v, tables, lens_,
                                              num_splits=splits, pages_per_compute_block=ppcb,
                                              interpret=interpret)
@@ -85,7 +76,7 @@ def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):
     page's old contents) must not reach the output."""
     case = list(make_fused_case(9, q_heads=8, kv_heads=2, block_size=8, max_blocks=4,
                                 lens=[21, 8], dtype=jnp.float32))
-    want, _, _ = reference(*case)
+    want, _, _ = rope_paged_attention_reference(*case)
     flat_k = case[4].reshape(-1, *case[4].shape[2:])
     flat_v = case[5].reshape(-1, *case[5].shape[2:])
     case[4] = flat_k.at[case[3]].set(jnp.nan).reshape(case[4].shape)
@@ -102,7 +93,7 @@ def test_fused_decode_ignores_slots_past_the_length(interpret):
     and splits past the end."""
     case = list(make_fused_case(13, q_heads=8, kv_heads=2, block_size=8, max_blocks=8,
                                 lens=[21, 3, 40, 0], dtype=jnp.float32))
-    want, _, _ = reference(*case)
+    want, _, _ = rope_paged_attention_reference(*case)
     tables, lens = np.asarray(case[6]), np.asarray(case[7])
     owned = np.zeros(case[4].shape[0] * case[4].shape[1], bool)
     for b, n in enumerate(lens):
@@ -143,7 +134,7 @@ def test_fused_decode_default_splits_capped(interpret):
     assert module.choose_num_splits(1, 2, 64, 2) > module.ROPE_DECODE_MAX_SPLITS
     case = make_fused_case(11, q_heads=8, kv_heads=2, block_size=8, max_blocks=64,
                            lens=[203], dtype=jnp.float32)
-    want, want_k, _ = reference(*case)
+    want, want_k, _ = rope_paged_attention_reference(*case)
     out, got_k, _ = rope_paged_attention(*case, pages_per_compute_block=2, interpret=interpret)
     assert rel_err(out, want) < TOL[jnp.float32]
     np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-6, atol=1e-6)

@@ -7,8 +7,9 @@ from pallas_kernels.paged_attention.paged_attention import (
     paged_attention,
     rope_paged_attention,
 )
-from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pallas_kernels.paged_attention.reference import (paged_attention_reference,
+                                                      rope_paged_attention_reference)
 
 __all__ = ["LAYOUTS", "choose_num_splits", "combine_splits", "combine_splits_kernel",
            "default_pages_per_compute_block", "paged_attention", "paged_attention_reference",
-           "rope_paged_attention"]
+           "rope_paged_attention", "rope_paged_attention_reference"]

@@ -48,3 +48,17 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     v = gather_sequences(v_pages, v_scale, block_tables)
     visible = jnp.arange(block_tables.shape[1] * block_size)[None, :] < context_lens[:, None]
     return masked_attention(q, k, v, visible, scale).astype(q.dtype)
+
+
+def rope_paged_attention_reference(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
+                                   slot_mapping: jax.Array, k_pages: jax.Array,
+                                   v_pages: jax.Array, block_tables: jax.Array,
+                                   context_lens: jax.Array
+                                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`rope_paged_attention` unfused: rotate and write the new token (negative slots write
+    nothing), then attend over the written pages -> (out, k_pages, v_pages)."""
+    from pallas_kernels.layer_ops.rope_kv_write import rope_kv_write_reference  # (cycle)
+    nb, bs = k_pages.shape[:2]
+    dropped = jnp.where(slot_mapping < 0, nb * bs + 1, slot_mapping)   # out of range: dropped
+    q, k_new, v_new = rope_kv_write_reference(qkv, cos, sin, dropped, k_pages, v_pages)
+    return paged_attention_reference(q, k_new, v_new, block_tables, context_lens), k_new, v_new
