@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from paxkv.sampling.rows import SAMPLING_MODES
+
 
 class SamplingTensors(NamedTuple):
     """Per-row sampling parameters; row r samples from logits row `logits_rows[r]`."""
@@ -48,9 +50,6 @@ class SampleResult(NamedTuple):
     prompt_logprobs: jax.Array      # [P] float32, log p(prompt token | the tokens before it)
     prompt_top_ids: jax.Array       # [P, KP] int32
     prompt_top_logprobs: jax.Array  # [P, KP] float32
-
-
-SAMPLING_MODES = ("greedy", "random", "filtered")
 
 
 def _filtered_sample(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,

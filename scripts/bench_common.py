@@ -253,6 +253,38 @@ def run_sections(args: argparse.Namespace,
     return results
 
 
+def pipelined_ms(dispatch, fetch, steps: int) -> float:
+    """Time per step with each step dispatched before the previous one is read, as the
+    asynchronous engine runs them: the host's packing overlaps the device's last step."""
+    prev = dispatch()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = dispatch()
+        fetch(prev)
+        prev = nxt
+    fetch(prev)
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def pipelined_rounds(cases: dict, steps: int, rounds: int, base: str) -> dict:
+    """Every case's pipelined time per step, `rounds` times interleaved (`cases`: name ->
+    (dispatch, fetch)); median ms and the median over rounds of the round's ratio to `base`
+    (the ratio's range over rounds in `ratio_spread`)."""
+    per = {name: [] for name in cases}
+    for name, (dispatch, fetch) in cases.items():   # warm-up (and compile) every case
+        pipelined_ms(dispatch, fetch, 2)
+    for _ in range(rounds):
+        for name, (dispatch, fetch) in cases.items():
+            per[name].append(pipelined_ms(dispatch, fetch, steps))
+    out = {}
+    for name, ms in per.items():
+        ratios = [m / b for m, b in zip(ms, per[base])]
+        out[name] = {"median_ms": statistics.median(ms), "round_ms": ms,
+                     "ratio_to_base": statistics.median(ratios),
+                     "ratio_spread": [min(ratios), max(ratios)]}
+    return out
+
+
 def save_report(out_dir: str | None, stem: str, text: str, results: dict) -> None:
     """Writes the table to OUT_DIR/STEM_table.md and the results to OUT_DIR/STEM.json."""
     if not out_dir:

@@ -126,6 +126,18 @@ def test_sampling_mode_is_the_cheapest_path_the_rows_need():
         assert _pack([SampleRow(0, 0.7), SampleRow(0, 1.0, **filt)], 64)[1] == "filtered"
 
 
+def test_forced_sampling_mode_only_widens():
+    """An ablation may force the sort on rows that do not need it, never skip a filter."""
+    from paxkv.sampling.rows import widen_sampling_mode
+    assert widen_sampling_mode("random", None) == "random"
+    assert widen_sampling_mode("random", "filtered") == "filtered"
+    assert widen_sampling_mode("greedy", "random") == "random"
+    with pytest.raises(ValueError, match="cannot serve rows that need 'filtered'"):
+        widen_sampling_mode("filtered", "random")
+    with pytest.raises(ValueError, match="sampling_mode must be one of"):
+        widen_sampling_mode("greedy", "sorted")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unfiltered_rows_draw_the_same_token_on_the_sorting_path(seed):
     """A row with every filter off picks the same token whether its step sorts (a batch-mate

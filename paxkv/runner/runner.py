@@ -26,7 +26,8 @@ from paxkv.runner import transfer
 from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, sample
-from paxkv.sampling.rows import pack_item_features, pack_masks, pack_row_features, sampling_mode
+from paxkv.sampling.rows import (pack_item_features, pack_masks, pack_row_features, sampling_mode,
+                                 widen_sampling_mode)
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -357,7 +358,7 @@ class Runner:
         return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
 
     def pack_step(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
-                  ) -> tuple[StepBatch, bool, SamplingTensors, bool, int]:
+                  ) -> tuple[StepBatch, bool, SamplingTensors, str, int]:
         """`pack` and `pack_sampling` as a step's program sees them: (batch, decode_only,
         sampling tensors, sampling mode, top-logprob k). On fixed shapes a prefill or mixed step
         samples at least `buckets.mixed_step_row_floor` rows."""
@@ -367,7 +368,7 @@ class Runner:
             floor = mixed_step_row_floor(batch.token_ids.shape[0], self.seq_buckets[-1])
         return (batch, decode_only, *self.pack_sampling(rows, floor))
 
-    def pack_sampling(self, rows: Sequence[SampleRow], min_rows: int = 0) -> tuple[SamplingTensors, bool, int]:
+    def pack_sampling(self, rows: Sequence[SampleRow], min_rows: int = 0) -> tuple[SamplingTensors, str, int]:
         r = pick_bucket(max(1, min_rows, len(rows)), self.row_buckets)
         n = len(rows)
         cols = list(zip(*rows)) if rows else [()] * len(SampleRow._fields)
@@ -432,7 +433,7 @@ class Runner:
 
     def dispatch(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
                  fill_masks: Callable[[list[SampleRow]], list[SampleRow]] | None = None,
-                 ) -> "PendingStep":
+                 force_sampling_mode: str | None = None) -> "PendingStep":
         """Queue one step over `items` sampling `rows`; returns at once (JAX dispatch is
         asynchronous), except for the first call of a shape bucket, which compiles.
 
@@ -440,9 +441,13 @@ class Runner:
         -> the rows with them. The step then runs in two halves: the forward is dispatched
         first, the host computes the masks while the device runs it, and the sampler follows
         with the masks (one more small transfer).
+
+        `force_sampling_mode` takes a more general sampler path than the rows need (ablations:
+        `scripts/bench_sampler_modes.py` times the sort a temperature-only step skips).
         """
         t0 = time.perf_counter()
         batch, decode_only, st, mode, k = self.pack_step(items, rows)
+        mode = widen_sampling_mode(mode, force_sampling_mode)
         hidden_at, spans = None, None
         if any(it.features is not None for it in items):
             prompt_pos, prompt_targets, hidden_at, spans = pack_item_features(

@@ -12,9 +12,13 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 
+# The sampler's static paths, cheapest first; each serves every row the ones before it serve.
+SAMPLING_MODES = ("greedy", "random", "filtered")
+
+
 def sampling_mode(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                   min_p: np.ndarray) -> str:
-    """The sampler path a step's rows need (`sampler.SAMPLING_MODES`): "greedy" when no row
+    """The sampler path a step's rows need (`SAMPLING_MODES`): "greedy" when no row
     samples, "filtered" when a sampled row has top-k, top-p or min-p on (a sort of each
     row), else "random" (Gumbel-max, no sort; the OpenAI API's defaults land here)."""
     sampled = temperature > 0.0
@@ -22,6 +26,19 @@ def sampling_mode(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
         return "greedy"
     filtered = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
     return "filtered" if filtered.any() else "random"
+
+
+def widen_sampling_mode(needed: str, asked: str | None) -> str:
+    """`asked` in place of the path the rows need, for ablations (forcing the sort on rows
+    that do not need it); a path that cannot serve the rows is an error, never a silent drop
+    of their filters."""
+    if asked is None:
+        return needed
+    if asked not in SAMPLING_MODES:
+        raise ValueError(f"sampling_mode must be one of {SAMPLING_MODES}, got {asked!r}")
+    if SAMPLING_MODES.index(asked) < SAMPLING_MODES.index(needed):
+        raise ValueError(f"sampling_mode {asked!r} cannot serve rows that need {needed!r}")
+    return asked
 
 
 class RowFeatures(NamedTuple):
