@@ -285,6 +285,28 @@ def pipelined_rounds(cases: dict, steps: int, rounds: int, base: str) -> dict:
     return out
 
 
+def decode_batch_engine(model: str, batch: int, context: int, smoke: bool,
+                        rng: np.random.Generator):
+    """An `LLM` whose pool holds `batch` sequences of `context` tokens, and the decode
+    WorkItems that step all of them (one new token each, every row at the same context,
+    16-token blocks, no prefix caching; token ids from `rng`) -> (llm, items)."""
+    import math
+
+    from paxkv import LLM
+    from paxkv.engine.step_io import WorkItem
+
+    bs = 16
+    per_seq = math.ceil((context + 1) / bs)
+    llm = LLM(model, num_gpu_blocks_override=batch * per_seq + 2, max_num_seqs=batch,
+              max_model_len=max(2048, context + 64) if not smoke else 128,
+              max_num_batched_tokens=max(batch, 256), block_size=bs, tokenizer=None,
+              enable_prefix_caching=False)
+    vocab = llm.llm_engine.runner.cfg.vocab_size
+    items = [WorkItem([int(rng.integers(3, vocab))], context - 1,
+                      list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)]
+    return llm, items
+
+
 def save_report(out_dir: str | None, stem: str, text: str, results: dict) -> None:
     """Writes the table to OUT_DIR/STEM_table.md and the results to OUT_DIR/STEM.json."""
     if not out_dir:

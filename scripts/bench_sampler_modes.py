@@ -23,7 +23,6 @@ same context, the cases interleaved over `--rounds` rounds.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import pipelined_rounds  # noqa: E402  (shared with bench_sampling)
+from bench_common import decode_batch_engine, pipelined_rounds  # noqa: E402  (shared with bench_sampling)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama3-8b", "preset (random bf16 weights)")
@@ -96,20 +95,12 @@ def main(argv) -> None:
     import jax
     import numpy as np
 
-    from paxkv import LLM
-    from paxkv.engine.step_io import WorkItem
-
     model, batch, ctx, steps, rounds = FLAGS.model, FLAGS.batch, FLAGS.context, FLAGS.steps, FLAGS.rounds
     alone_rows = [int(r) for r in FLAGS.alone_rows]
     reps = FLAGS.reps
     if FLAGS.smoke:
         model, batch, ctx, steps, rounds, alone_rows, reps = "tiny-random", 8, 40, 3, 2, [8], 3
-    bs = 16
-    per_seq = math.ceil((ctx + 1) / bs)
-    llm = LLM(model, num_gpu_blocks_override=batch * per_seq + 2, max_num_seqs=batch,
-              max_model_len=max(2048, ctx + 64) if not FLAGS.smoke else 128,
-              max_num_batched_tokens=max(batch, 256), block_size=bs, tokenizer=None,
-              enable_prefix_caching=False)
+    llm, items = decode_batch_engine(model, batch, ctx, FLAGS.smoke, np.random.default_rng(0))
     runner = llm.llm_engine.runner
     vocab = runner.cfg.vocab_size
     results = {"model": model, "batch": batch, "context": ctx, "vocab": vocab,
@@ -123,9 +114,6 @@ def main(argv) -> None:
         print("alone", n, {c: round(r["median_ms"], 3) for c, r in results["alone"][n].items()},
               flush=True)
 
-    rng = np.random.default_rng(0)
-    items = [WorkItem([int(rng.integers(3, vocab))], ctx - 1,
-                      list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)]
     cases = {}
     for case in CASES:
         rows, forced = rows_for(case, batch), CASES[case][2]

@@ -32,7 +32,6 @@ pipelined (their masks need step i's token on the host), so they have the first 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import pipelined_rounds  # noqa: E402  (shared with bench_sampler_modes)
+from bench_common import decode_batch_engine, pipelined_rounds  # noqa: E402  (shared with bench_sampler_modes)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama3-8b", "preset (random bf16 weights)")
@@ -140,8 +139,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from paxkv import LLM
-    from paxkv.engine.step_io import SampleRow, WorkItem
+    from paxkv.engine.step_io import SampleRow
     from paxkv.runner.runner import _pack_inputs
     from paxkv.sampling.rows import RowFeatures
 
@@ -149,17 +147,10 @@ def main(argv):
     rounds = FLAGS.rounds
     if FLAGS.smoke:
         model, batch, ctx, steps, warmup, rounds = "tiny-random", 8, 40, 3, 2, 2
-    bs = 16
-    per_seq = math.ceil((ctx + 1) / bs)
-    llm = LLM(model, num_gpu_blocks_override=batch * per_seq + 2, max_num_seqs=batch,
-              max_model_len=max(2048, ctx + 64) if not FLAGS.smoke else 128,
-              max_num_batched_tokens=max(batch, 256), block_size=bs, tokenizer=None,
-              enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    llm, items = decode_batch_engine(model, batch, ctx, FLAGS.smoke, rng)
     runner = llm.llm_engine.runner
     cfg = runner.cfg
-    rng = np.random.default_rng(0)
-    items = [WorkItem([int(rng.integers(3, cfg.vocab_size))], ctx - 1,
-                      list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)]
     plain = [SampleRow(i, 0.8, -1, 0.95, 0.0, i, 7) for i in range(batch)]
     results = {"model": model, "batch": batch, "context": ctx, "jax": jax.__version__,
                "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
