@@ -14,9 +14,7 @@ attention, N splits of each sequence's pages; 1 skips the combine kernel), `dsta
 attention, N pipeline stages where they fit), `dwarpsN` (the fused RoPE + decode attention
 kernel, N warps), `xlanorm`,
 `xlarope`, `xlacombine` (that fused Pallas kernel replaced by the XLA ops it fuses), `xlasmall`
-(all three), `mosaicnorm` (the add + RMSNorm kernel in Mosaic GPU, launched early through
-PDL and releasing the next kernel; `mosaicnormN`: without the release, `mosaicnormW`: without
-either), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
+(all three), `siluexp`, `silutanh` (SwiGLU's sigmoid written as `1 / (1 + exp(-x))` or
 through tanh instead of XLA's logistic, which decides what XLA may fuse into the down
 matmul), `base` (nothing). XLA flags go in XLA_FLAGS as usual.
 """
@@ -72,14 +70,6 @@ def apply(name: str) -> None:
             _module("pallas_kernels.paged_attention.paged_attention").combine_splits_kernel = (
                 lambda o_part, lse, out_dtype=None, interpret=False:
                 combine_splits(o_part, lse).astype(out_dtype))
-    elif name.startswith("mosaicnorm"):
-        import functools
-        from pallas_kernels.layer_ops import mosaic_add_rms_norm as mosaic
-        options = {"mosaicnorm": {}, "mosaicnormN": {"release": False},
-                   "mosaicnormW": {"pdl": False, "release": False}}[name]
-        layer_ops = _module("pallas_kernels.layer_ops")
-        layer_ops.add_rms_norm = functools.partial(mosaic.mosaic_add_rms_norm, **options)
-        _module("pallas_kernels.layer_ops.add_rms_norm").supported = mosaic.supported
     elif name in ("siluexp", "silutanh"):
         import flax.linen as nn
         import jax.numpy as jnp
