@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import back_to_back  # noqa: E402
+from probe_thin_matmuls import chain  # noqa: E402  (the same summed chain of products)
 from pallas_kernels.paged_attention.mosaic_decode import (  # noqa: E402
     _plgpu, _tile_transforms, _transposed, interpret_params)
 
@@ -136,17 +137,6 @@ def swapab_matmul_t(x: jax.Array, w_t: jax.Array, *, tile_k: int = 128, num_stag
 
 def _rows_major(y_t: jax.Array) -> jax.Array:
     return (y_t if y_t.ndim == 2 else y_t.sum(0)).T
-
-
-def chain(f):
-    @jax.jit
-    def run(x, ws):
-        acc = None
-        for w in ws:
-            y = f(x, w).astype(jnp.float32)
-            acc = y if acc is None else acc + y
-        return acc
-    return run
 
 
 def main():
