@@ -34,11 +34,13 @@ def _same(prompts, params, **kw):
     return sync_llm, async_llm
 
 
+@pytest.mark.slow
 def test_greedy_with_chunked_prefill_and_mid_block_lengths():
     prompts = _prompts(6, seed=1, lo=5, hi=70)   # chunks of 32 tokens, blocks of 16
     _same(prompts, SamplingParams(temperature=0.0, max_tokens=23), max_num_batched_tokens=32)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_stops_and_logprobs():
     prompts = _prompts(5, seed=2)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12 + i, logprobs=2,
@@ -52,6 +54,7 @@ def test_stop_strings_and_eos_end_early():
     _same(prompts, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(mode):
     prompts = _prompts(8, seed=3, lo=10, hi=30)
@@ -195,6 +198,7 @@ def _same_features(prompts, params, **kw):
     return async_llm, got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [1, 4])
 def test_features_run_async_and_equal_sync(steps):
     """With num_scheduler_steps=4 the plain rows may run several steps per call, never the
@@ -217,6 +221,7 @@ def test_features_run_async_and_equal_sync(steps):
     assert set(got[5][2][0][0]) <= {13, 42, 7, 99, 300, 1024, 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_features_under_preemption(mode):
     params = _feature_params()

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from paxkv.runner import compile_cache
 
@@ -23,6 +24,7 @@ def test_resolution_order(monkeypatch, tmp_path):
     assert compile_cache.resolve_cache_dir("off") is None
 
 
+@pytest.mark.slow
 def test_second_process_compiles_nothing(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                JAX_PLATFORMS="cpu")

@@ -45,6 +45,7 @@ def make_llm(checkpoint, **kw):
     return LLM(checkpoint, **args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,chunk", [("recompute", 64), ("swap", 64), ("recompute", 16)])
 def test_greedy_equals_transformers_under_preemption(checkpoint, workload, hf_outputs, mode, chunk):
     prompts, max_tokens = workload
@@ -70,6 +71,7 @@ def test_static_policy_matches(checkpoint, workload, hf_outputs):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_no_compilations_in_steady_state(checkpoint, workload):
     prompts, max_tokens = workload
     llm = make_llm(checkpoint, num_gpu_blocks_override=80)

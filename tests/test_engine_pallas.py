@@ -1,9 +1,12 @@
 """The engine with the Pallas backend (interpret mode on CPU) equals the reference backend."""
 from __future__ import annotations
 
+import pytest
+
 from paxkv import LLM, SamplingParams
 
 
+@pytest.mark.slow
 def test_pallas_backend_engine_outputs_equal_reference():
     prompts = ["It is a truth universally acknowledged", "Emma", "The morning was fine and the"]
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

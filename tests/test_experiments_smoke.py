@@ -63,6 +63,7 @@ def _trace_outputs(name: str, num: int, seed: int, max_prompt: int, max_output: 
     return clip_trace(workloads.make_trace(name, num, seed, rate=rate), max_prompt, max_output)
 
 
+@pytest.mark.slow
 def test_throughput_vs_rate_tiny(tmp_path):
     from configs import experiments as configs
     s = configs.get("throughput_vs_rate", "tiny")
@@ -87,6 +88,7 @@ def test_throughput_vs_rate_tiny(tmp_path):
     assert "2-4x" in (tmp_path / "throughput_vs_rate.md").read_text()
 
 
+@pytest.mark.slow
 def test_block_size_ablation_tiny(tmp_path):
     from configs import experiments as configs
     s = configs.get("block_size_ablation", "tiny")
@@ -103,6 +105,7 @@ def test_block_size_ablation_tiny(tmp_path):
     assert "16-32" in (tmp_path / "block_size_ablation.md").read_text()
 
 
+@pytest.mark.slow
 def test_sharing_savings_tiny(tmp_path):
     payload = _run("experiments/sharing_savings.py", str(tmp_path), "--setting=tiny")
     runs = {(r["kind"], r["width"]): r for r in payload["results"]["runs"]}
@@ -117,6 +120,7 @@ def test_sharing_savings_tiny(tmp_path):
     assert "37.6%-55.2%" in (tmp_path / "sharing_savings.md").read_text()
 
 
+@pytest.mark.slow
 def test_preemption_tiny(tmp_path):
     payload = _run("experiments/preemption.py", str(tmp_path), "--setting=tiny")
     rows = {r["mode"]: r for r in payload["results"]["runs"]}
@@ -131,6 +135,7 @@ def test_preemption_tiny(tmp_path):
     assert ratio[str(rc["block_size"])] == pytest.approx(rc["wall_s"] / sw["wall_s"])
 
 
+@pytest.mark.slow
 def test_kernel_overhead_tiny(tmp_path):
     bench = {"device": "Some GPU", "jax": "0.0", "decode": [
         {"batch": 8, "context": 512, "best": {"us": 110.0}, "contiguous_us": 100.0, "bundled_best_us": 200.0},

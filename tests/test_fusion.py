@@ -17,6 +17,7 @@ def model():
     return cfg, init_params(cfg, jax.random.PRNGKey(3))
 
 
+@pytest.mark.slow
 def test_fused_layout_gives_the_same_logits(model):
     cfg, params = model
     fused = fuse_projections(params)

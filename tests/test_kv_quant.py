@@ -200,6 +200,7 @@ def ragged_case(seed: int, name: str, q_lens=(1, 11, 5, 1), ctx=(30, 27, 5, 17),
     return q, pools[name], pools["float32"], batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_attention_quantized_pages(name):
     q, qpool, fpool, batch = ragged_case(10, name)
@@ -240,6 +241,7 @@ def test_attention_error_ranks_by_format():
 
 
 # ---- Pallas kernels (interpreted on CPU, compiled on a GPU) over quantized pages --------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 def test_pallas_decode_kernel_quantized_pages(name, q_dtype, interpret):
@@ -255,6 +257,7 @@ def test_pallas_decode_kernel_quantized_pages(name, q_dtype, interpret):
     assert rel(out, model_ref) < tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_pallas_ragged_kernel_quantized_pages(name, interpret):
     from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
@@ -271,6 +274,7 @@ def test_pallas_ragged_kernel_quantized_pages(name, interpret):
     assert np.all(np.asarray(out[n:]) == 0)
 
 
+@pytest.mark.slow
 def test_paged_forward_pallas_matches_reference_on_quantized_pool(name="fp8"):
     """The whole model step (quantized write + kernels), prefill chunk then decode; the
     kernel tests above cover the other formats."""
@@ -381,6 +385,7 @@ MAX_TOKENS = 8
 AGREEMENT_FLOOR = {"int8": (0.95, 0.95), "fp8": (0.9, 0.7), "fp8_e5m2": (0.9, 0.7)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_agreement_per_kv_dtype(tiny, reference_outputs, name):
     llm, outs = default_run(tiny, name)
@@ -392,6 +397,7 @@ def test_engine_greedy_agreement_per_kv_dtype(tiny, reference_outputs, name):
     assert token_agreement(outs, reference_outputs) >= AGREEMENT_FLOOR[name][1]
 
 
+@pytest.mark.slow
 def test_engine_swap_preemption_moves_quantized_pages(tiny):
     """Swapping out and back in must restore codes and scales: the same tokens as a pool big
     enough never to preempt, and a host pool sized by the same bytes-per-block."""
@@ -424,6 +430,7 @@ def test_runner_swap_round_trip_is_bit_exact():
         np.testing.assert_array_equal(np.asarray(b[8]).view(np.uint8), a[3].view(np.uint8))
 
 
+@pytest.mark.slow
 def test_accuracy_experiment_runs_on_a_text_file(tmp_path):
     """experiments/kv_quant_accuracy.py end to end at a tiny setting (two held-out paragraphs)."""
     import json

@@ -46,6 +46,7 @@ def _static_ok(rows, g: configs.EngineGeometry, per_request: int = 1) -> None:
             assert r["mean_batch"] <= static_capacity(g) + 1e-9
 
 
+@pytest.mark.slow
 def test_batched_requests_tiny(tmp_path):
     s = configs.get("batched_requests", "tiny")
     payload = _run("batched_requests.py", tmp_path)
@@ -61,6 +62,7 @@ def test_batched_requests_tiny(tmp_path):
     assert "2.2x Orca (Oracle)" in md and "## Every rate" in md
 
 
+@pytest.mark.slow
 def test_sampling_vs_rate_tiny(tmp_path):
     s = configs.get("sampling_vs_rate", "tiny")
     payload = _run("sampling_vs_rate.py", tmp_path)
@@ -77,6 +79,7 @@ def test_sampling_vs_rate_tiny(tmp_path):
     assert "2.3x" in (tmp_path / "sampling_vs_rate.md").read_text()
 
 
+@pytest.mark.slow
 def test_shared_prefix_tiny_caches_the_prefix(tmp_path):
     s = configs.get("shared_prefix", "tiny")
     payload = _run("shared_prefix.py", tmp_path)
@@ -95,6 +98,7 @@ def test_shared_prefix_tiny_caches_the_prefix(tmp_path):
     assert "1.67x Orca (Oracle)" in (tmp_path / "shared_prefix.md").read_text()
 
 
+@pytest.mark.slow
 def test_chatbot_tiny(tmp_path):
     s = configs.get("chatbot", "tiny")
     payload = _run("chatbot.py", tmp_path)
@@ -113,6 +117,7 @@ def _rows(path) -> list[dict]:
         return json.load(f)["results"]["runs"]
 
 
+@pytest.mark.slow
 def test_resumed_sweep_keeps_finished_points_and_runs_the_rest(tmp_path):
     first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     a = _run_bs(first, "--block_sizes=16")

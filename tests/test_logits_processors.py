@@ -42,6 +42,7 @@ def contexts_on_device(contexts, starts, features):
     return pen, proc.contexts(hist, meta, fed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_repetition_penalty_equals_transformers(seed):
     rng, logits, contexts, starts = rand_case(seed)
@@ -72,6 +73,7 @@ def test_presence_and_frequency_follow_openai(seed):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_neutral_and_padding_rows_are_untouched():
     _, logits, contexts, starts = rand_case(5)
     feats = [RowFeatures(penalties=(0.5, 0.5, 1.3), history=contexts[0][:-1], output_start=0),

@@ -234,6 +234,7 @@ def test_bfloat16_weights_track_float32(tmp_path):
     np.testing.assert_allclose(np.asarray(paged16), dense16, atol=0.05 * spread, rtol=0)
 
 
+@pytest.mark.slow
 def test_init_params_shapes_and_training_step():
     """init_params matches the checkpoint layout and the no-cache path trains (loss drops)."""
     from paxkv.config import ModelConfig

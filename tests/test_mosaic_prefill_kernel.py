@@ -90,6 +90,7 @@ def test_mosaic_prefill_default_tuning(interpret_mosaic):
     np.testing.assert_array_equal(np.asarray(out[real:], np.float32), 0.0)
 
 
+@pytest.mark.slow
 def test_work_items_map_every_token_to_its_tile_row():
     cu = jnp.asarray([0, 5, 5, 17, 18], jnp.int32)
     lens = jnp.asarray([5, 3, 40, 9], jnp.int32)

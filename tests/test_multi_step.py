@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from paxkv import LLM, SamplingParams
 
@@ -9,6 +10,7 @@ PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome,"
            "Mr. Darcy", "She had", "In the drawing-room"]
 
 
+@pytest.mark.slow
 def test_multi_step_equals_single_step():
     rng = np.random.default_rng(0)
     params = []

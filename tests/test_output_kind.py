@@ -65,6 +65,7 @@ def _joined(outputs) -> dict[int, dict]:
     return joined
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_delta_outputs_join_to_the_cumulative_output(tiny_llm, seed):
     want = _run(tiny_llm, CUMULATIVE, seed)

@@ -65,6 +65,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
 def test_decode_matches_references(q_heads, kv_heads, block_size, max_blocks, lens, dtype,
                                    splits, ppcb, interpret):
@@ -84,6 +85,7 @@ def test_decode_matches_references(q_heads, kv_heads, block_size, max_blocks, le
     assert rel_err(out[real], model_ref[real]) < TOL[dtype]
 
 
+@pytest.mark.slow
 def test_heads_first_layout_and_default_tuning(interpret):
     q, k, v, tables, lens = make_case(7, batch=3, q_heads=8, kv_heads=2, block_size=16,
                                       max_blocks=4, lens=[50, 3, 64], dtype=jnp.float32,
@@ -93,6 +95,7 @@ def test_heads_first_layout_and_default_tuning(interpret):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_quantized_fp8_pages_with_scales(interpret):
     q, k, v, tables, lens = make_case(11, batch=2, q_heads=8, kv_heads=2, block_size=8,
                                       max_blocks=5, lens=[39, 12], dtype=jnp.float32)
@@ -122,6 +125,7 @@ def test_poisoned_pages_past_length_do_not_leak(interpret):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
 def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt, interpret):
     """fp8 has NaN codes (and e5m2 inf): bytes past a sequence's length or in the null block
@@ -143,6 +147,7 @@ def test_nan_codes_past_length_do_not_leak_from_fp8_pages(fmt, interpret):
     assert rel_err(out, ref) < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("dot_dtype", ["bfloat16", "float16"])
 def test_8bit_pages_with_either_dot_dtype(fmt, dot_dtype, interpret):

@@ -75,6 +75,7 @@ def run_schedule(params, seqs, block_size, chunk_sizes, seed, backend="reference
     return got, kinds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("chunks", [(64,), (5, 16, 7), (1,), (9, 1, 1)],
                          ids=["prefill", "chunked", "decode", "mixed"])
@@ -89,6 +90,7 @@ def test_paged_logits_equal_dense(params, dense_logits, block_size, chunks):
         assert "mixed" in kinds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [(5, 16, 7), (9, 1, 1), (1,)], ids=["chunked", "mixed", "decode"])
 def test_fused_gpu_layers_equal_dense(params, dense_logits, chunks):
     """The GPU backend's path (Pallas kernels in interpret mode): attention, and the fused

@@ -54,6 +54,7 @@ def build_step(seed, q_lens, ctx_lens, pad_tokens, dtype):
     ([1, 12, 30, 0], [50, 12, 41, 0], 3, False, jnp.float32),    # decode + prompt + chunk
     ([5, 1], [5, 33], 2, False, jnp.bfloat16),
 ])
+@pytest.mark.slow
 def test_pallas_backend_matches_reference(q_lens, ctx_lens, pad_tokens, decode_only, dtype):
     q, k, v, batch, real = build_step(len(q_lens) * 10 + pad_tokens, q_lens, ctx_lens,
                                       pad_tokens, dtype)

@@ -54,6 +54,7 @@ def random_step(seed: int, rows: int, vocab: int, distinct: int):
     return jnp.asarray(logits), pen, proc.contexts(hist, meta, fed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,vocab,distinct", [(0, 97, 12), (1, 97, 97), (2, 1000, 30),
                                                  (3, 50, 50), (4, 4099, 4099)])
 def test_sparse_penalties_equal_dense(seed, vocab, distinct):

@@ -87,6 +87,7 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
         assert key(items, rows) in listed, (lens, sampled)
 
 
+@pytest.mark.slow
 def test_no_compilation_after_precompile_and_outputs_unchanged(llm):
     engine = _engine(llm)
     compiled = engine.runner.precompile(use_tqdm=False)
@@ -106,6 +107,7 @@ def test_no_compilation_after_precompile_and_outputs_unchanged(llm):
     assert _staggered(unpadded, seed=5) == want
 
 
+@pytest.mark.slow
 def test_precompile_needs_fixed_shapes_and_a_bool():
     config = make_runner_config(PRESETS["tiny-random"], block_size=16,
                                 num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64,

@@ -4,6 +4,7 @@ import gc
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from paxkv import LLM
 from paxkv.config import ModelConfig
@@ -23,6 +24,7 @@ def _profile(tokens: int) -> int:
         max_model_len=512), params)
 
 
+@pytest.mark.slow
 def test_profile_grows_with_the_step_and_ignores_history():
     small, large = _profile(40), _profile(400)
     assert 0 < small < large

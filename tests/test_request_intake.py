@@ -210,6 +210,7 @@ def requests(draw):
     return prompt, kwargs, broken, choice == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(case=requests())

@@ -71,6 +71,7 @@ def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block
     assert not np.allclose(f32(got_k)[written], f32(k)[written])
 
 
+@pytest.mark.slow
 def test_fused_decode_ignores_the_stale_slot_it_overwrites(interpret):
     """The new token's attention comes from registers: NaN left in its slot from before (the
     page's old contents) must not reach the output."""
@@ -125,6 +126,7 @@ def test_fused_decode_bad_input_names_field(field, change, interpret):
                              interpret=interpret)
 
 
+@pytest.mark.slow
 def test_fused_decode_default_splits_capped(interpret):
     """Without `num_splits` the fused kernel takes `choose_num_splits` capped at
     `ROPE_DECODE_MAX_SPLITS` (one sequence over a wide table would get 8): still the unfused

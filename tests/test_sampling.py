@@ -51,6 +51,7 @@ def test_top_k_restricts_to_the_k_most_likely(llm):
     assert token in dict(top3)
 
 
+@pytest.mark.slow
 def test_logprobs_match_the_dense_model(llm):
     out = gen(llm, [PROMPT], temperature=0.0, max_tokens=3, logprobs=4)[0]
     comp = out.outputs[0]
@@ -138,6 +139,7 @@ def test_forced_sampling_mode_only_widens():
         widen_sampling_mode("greedy", "sorted")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unfiltered_rows_draw_the_same_token_on_the_sorting_path(seed):
     """A row with every filter off picks the same token whether its step sorts (a batch-mate
@@ -164,6 +166,7 @@ def test_unfiltered_rows_draw_the_same_token_on_the_sorting_path(seed):
             != random_path).any()
 
 
+@pytest.mark.slow
 def test_random_path_samples_the_tempered_softmax():
     """Gumbel-max without a sort draws token i with probability softmax(x / T)_i."""
     from paxkv.engine.step_io import SampleRow
@@ -179,6 +182,7 @@ def test_random_path_samples_the_tempered_softmax():
     np.testing.assert_allclose(freq, want, atol=0.03)   # 4 standard errors at p = 0.5
 
 
+@pytest.mark.slow
 def test_top_p_one_keeps_the_tail_float_sums_would_cut():
     """top_p = 1.0 turns the filter off: the float32 running sum of sorted probabilities
     reaches 1.0 before the last tokens on this row, and they must stay drawable."""

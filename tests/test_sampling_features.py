@@ -88,6 +88,7 @@ def test_bad_words_are_tokenized_at_the_start_and_after_a_space(tiny_llm):
     assert "happy" not in text
 
 
+@pytest.mark.slow
 def test_mixed_batch_gives_each_row_its_solo_output(tiny_llm):
     """Rows with and without each feature share steps (and shape buckets) without effect on
     each other: tokens equal exactly, float outputs to float32 noise."""
@@ -117,6 +118,7 @@ def test_mixed_batch_gives_each_row_its_solo_output(tiny_llm):
     assert_no_leaks(tiny_llm)
 
 
+@pytest.mark.slow
 def test_penalties_survive_preemption_and_chunking():
     """The token history is the engine's own, so recompute preemption and chunked prefill
     (which re-feed tokens) leave penalized outputs unchanged."""

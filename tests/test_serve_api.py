@@ -69,6 +69,7 @@ def _stream_texts(stream) -> tuple[dict[int, str], dict[int, str], dict | None]:
     return texts, reasons, usage
 
 
+@pytest.mark.slow
 def test_models_health_and_tokenize(server, llm):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
@@ -80,6 +81,7 @@ def test_models_health_and_tokenize(server, llm):
     assert r2["prompt"] == PROMPTS[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=7),
                                 dict(temperature=1.0, top_k=20, seed=11, n=2)])
 def test_completion_stream_and_offline_agree(client, llm, kw):
@@ -101,6 +103,7 @@ def test_completion_stream_and_offline_agree(client, llm, kw):
         len(o.token_ids) for o in ref.outputs)
 
 
+@pytest.mark.slow
 def test_chat_stream_and_offline_agree(client, llm):
     messages = [{"role": "system", "content": "You write like Jane Austen."},
                 {"role": "user", "content": "Describe a ball at Netherfield."}]
@@ -272,6 +275,7 @@ async def _stream_one(url: str, prompt: str, seed: int) -> tuple[str, int]:
     return text, tokens
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_each_get_what_they_get_alone(server, llm):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i % 3) for i in range(64)]
 
@@ -329,6 +333,7 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "tags"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_chat_response_format_json_schema_and_json_object(client, llm):
     import json
 
@@ -381,6 +386,7 @@ def test_guided_choice_regex_and_structured_outputs_on_completions(server, llm):
     assert r["choices"][0]["text"] == want.outputs[0].text
 
 
+@pytest.mark.slow
 def test_penalties_bias_allowed_ids_and_bad_words_equal_offline(server, llm):
     tok = llm.get_tokenizer()
     allowed = tok.encode(" the and of a to", add_special_tokens=False)
@@ -402,6 +408,7 @@ def test_penalties_bias_allowed_ids_and_bad_words_equal_offline(server, llm):
             assert set(want.token_ids) <= set(allowed)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_offline(server, llm):
     r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
         "prompt": [PROMPTS[3], PROMPTS[4]], "max_tokens": 3, "temperature": 0.0,

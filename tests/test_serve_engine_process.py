@@ -93,6 +93,7 @@ def _stream(url: str, body: dict) -> tuple[dict[int, str], dict[int, str], list[
     dict(temperature=1.0, top_k=20, seed=11, n=2),
     dict(temperature=0.0, stop=[" the", "@@"]),
 ])
+@pytest.mark.slow
 def test_engine_process_and_thread_answer_what_generate_answers(servers, llm, kw):
     ref = llm.generate([PROMPT], SamplingParams(max_tokens=24, **kw), use_tqdm=False)[0]
     body = {"prompt": PROMPT, "max_tokens": 24, **kw}
@@ -143,6 +144,7 @@ def test_sigterm_stops_the_engine_process_too(servers):
     assert not [p for p in children if alive(p)], "orphans left behind"
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_fails_requests_and_the_server_exits(cache_env):
     server = ServerProcess(["tiny", *ENGINE_ARGS, "--shutdown-timeout", "30"], env=cache_env)
     engine_pid = child_pids(server.proc.pid)
@@ -169,6 +171,7 @@ def test_a_killed_engine_process_fails_requests_and_the_server_exits(cache_env):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_killed_server_takes_its_engine_process_along(cache_env):
     server = ServerProcess(["tiny", *ENGINE_ARGS], env=cache_env)
     children = child_pids(server.proc.pid)

@@ -37,6 +37,7 @@ def _long_stream(url: str, max_tokens: int = 400):
     return httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
 
 
+@pytest.mark.slow
 def test_api_key(server):
     body = {"prompt": "x", "max_tokens": 2}
     r = httpx.post(f"{server.url}/v1/completions", json=body)

@@ -67,6 +67,7 @@ def test_n4_greedy_gives_four_copies_and_shares_the_prompt(checkpoint, hf_model,
     del out
 
 
+@pytest.mark.slow
 def test_parallel_samples_are_distinct_and_reproducible(checkpoint):
     llm = make_llm(checkpoint)
     prompt = list(range(5, 25))
@@ -127,6 +128,7 @@ def test_beam_search_equals_transformers(tmp_path, hf_model, width, length_penal
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_prefix_caching_under_eviction_keeps_outputs(checkpoint):
     rng = np.random.default_rng(9)
     system = rng.integers(3, 384, size=37).tolist()          # a shared prefix, ends mid-block

@@ -27,6 +27,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_parse_and_validate(tiny_llm):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))

@@ -52,6 +52,7 @@ def _tokens(out: dict) -> dict:
     return {k: v for k, v in out.items() if k not in ("beams", "cached")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,steps", [(2, 1), (4, 4), (8, 1)])
 def test_tensor_parallel_equals_one_device(checkpoint, tp, steps):
     """Greedy, prefix-cache hits and seeded n=3 samples (forks sharing blocks copy-on-write);
@@ -71,6 +72,7 @@ def test_tensor_parallel_equals_one_device(checkpoint, tp, steps):
 SMALL_POOL = dict(num_gpu_blocks_override=18, swap_space=0.001)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_under_recompute_preemption(checkpoint):
     """A pool too small for the batch: preempted sequences are recomputed, on 2 devices, and
     end with the tokens of one device and a pool large enough for all."""
@@ -81,6 +83,7 @@ def test_tensor_parallel_under_recompute_preemption(checkpoint):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_under_swap_preemption_8bit_pool(checkpoint):
     """Preemption by swapping an int8 pool (pages and their scales) to the host and back,
     each device moving its own heads, on 4 devices: the tokens of the same run on one."""
@@ -94,6 +97,7 @@ def test_tensor_parallel_under_swap_preemption_8bit_pool(checkpoint):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_run_per_device(checkpoint):
     """The Pallas kernels (interpret mode) under shard_map, prefill and decode, on 2 devices,
     give the tokens of the reference attention on one device."""
@@ -194,6 +198,7 @@ def test_bad_tensor_parallel_size(checkpoint, tp, message):
         LLM(checkpoint, tensor_parallel_size=tp, **llm_kwargs())
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(checkpoint, tmp_path):
     """Two processes on localhost (gloo CPU collectives), two devices each, TP = 4 across
     them: process 0 schedules, process 1 replays its steps; two engines in turn, the second

@@ -128,6 +128,7 @@ def test_greedy_output_is_deterministic_english(model, tokenizer):
         assert stats["distinct_share"] >= 0.3, (text, stats)  # not one word on repeat
 
 
+@pytest.mark.slow
 def test_held_out_perplexity_far_below_uniform(model, tokenizer):
     params, cfg = model
     for paragraph in HELD_OUT:
