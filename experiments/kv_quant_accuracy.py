@@ -3,7 +3,7 @@
 Three measurements, each against the full-precision cache (float32 pages, the CPU's "auto"):
 
 1. Through the quantized cache: held-out perplexity by chunked prefill on the paged model
-   (`paxkv.model.llama.forward` over a real `KVPool` of each `kv_cache_dtype`). Every
+   (`paxkv.model.forward.forward` over a real `KVPool` of each `kv_cache_dtype`). Every
    attention read, including a chunk's own tokens and every earlier chunk's, goes through
    quantized pages, as in serving. Also the mean KL divergence of each next-token
    distribution from the full-precision one, and how often the top-1 token agrees
@@ -46,8 +46,8 @@ from paxkv.config import ModelConfig
 from paxkv.sim.eval_windows import eval_windows
 from paxkv.model.batch import StepBatch
 from paxkv.model.dense import grouped_attention
-from paxkv.model.layers import Llama
-from paxkv.model.llama import forward
+from paxkv.model.forward import forward
+from paxkv.model.layers import DecoderLM
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("corpus_dir", "scratch/tiny_corpus", "Output of scripts/prepare_tiny_corpus.py.")
@@ -227,7 +227,7 @@ def dense_logprobs(params, cfg: ModelConfig, inputs: jax.Array,
         return grouped_attention(q, kq.astype(q.dtype), vq.astype(q.dtype), positions,
                                  positions[0], scale), stats
 
-    model = Llama(cfg, jnp.float32)
+    model = DecoderLM(cfg, jnp.float32)
     logits, (errs, amaxes) = model.apply({"params": params}, inputs, positions, attention, ((), ()))
     return jax.nn.log_softmax(logits, -1), jnp.stack(errs), jnp.stack(amaxes)
 

@@ -18,17 +18,34 @@ ATTENTION_BACKENDS = ("reference", "pallas")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1's "llama3" RoPE frequency scaling (long-context extension)."""
+    """RoPE frequency scaling: Llama-3.1's "llama3" long-context bands, or "linear" (every
+    frequency divided by `factor`; Gemma 3's global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling.kind must be 'llama3' or 'linear', got {self.kind!r}")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-3 family decoder. Frozen + hashable: usable as a static jit arg."""
+    """Shape of a decoder-only model of any supported family. Frozen + hashable: usable as a
+    static jit argument.
+
+    The first block of fields is every family's; the rest are the switches the shared layer
+    pieces (`paxkv/model/layers.py`) read, each at its Llama value by default. A family
+    module (`paxkv/model/families/`) sets them from its checkpoint's config.json;
+    `architecture` names the family (`paxkv/model/registry.py`).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -45,6 +62,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "custom"
+    architecture: str = "LlamaForCausalLM"   # the family (checkpoint `architectures`)
+    qkv_bias: bool = False                   # biases on q/k/v (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                     # bias on o_proj (Llama's attention_bias)
+    qk_norm: bool = False                    # RMSNorm of every q and k head before RoPE
+    # Sliding-window layers see keys at positions > query - sliding_window (transformers'
+    # convention: the window counts the query itself). `layer_types` lists each layer's kind;
+    # () means every layer attends to the full context.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"                 # the MLP's gate: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    rope_local_theta: float | None = None    # RoPE base of sliding layers (None: rope_theta)
+    query_pre_attn_scalar: float | None = None   # softmax scale = this ** -0.5 (None: head_dim)
+    embedding_multiplier: float = 1.0        # embeddings times this, in the compute dtype
+    norm_unit_offset: bool = False           # RMSNorm gains stored as w, applied as 1 + w
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -55,10 +87,44 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"ModelConfig.layer_types must list {self.num_layers} entries of "
+                                 f"{LAYER_TYPES}, got {self.layer_types}")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError("ModelConfig.sliding_window must be positive when layer_types "
+                                 f"has sliding layers, got {self.sliding_window}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, "
+                             f"got {self.hidden_act!r}")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every layer's q.k."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(base, scaling) of `layer`'s RoPE: sliding layers may have their own base and no
+        scaling (Gemma 3), the rest share `rope_theta` and `rope_scaling`."""
+        if self.rope_local_theta is not None and self.is_sliding(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
         """K and V of one token over all layers (Llama-3-8B bf16: 131072 B)."""
@@ -68,15 +134,14 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 
 
-_LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
-
-
 def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, name: str = "hf") -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json (a dict, the file, or its dir)."""
+    """Build a ModelConfig from a Hugging Face config.json (a dict, the file, or its dir):
+    the family its `architectures` names parses it (`paxkv/model/registry.py`)."""
     if not isinstance(config, Mapping):
         path = os.fspath(config)
         if os.path.isdir(path):
@@ -85,57 +150,8 @@ def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, name: str = "h
             raise ValueError(f"config.json not found: {path}")
         with open(path) as f:
             config = json.load(f)
-    archs = tuple(config.get("architectures") or ())
-    model_type = config.get("model_type")
-    if model_type != "llama" or (archs and not any(a in _LLAMA_ARCHITECTURES for a in archs)):
-        raise ValueError(
-            f"config.json field 'architectures'={list(archs)} / 'model_type'={model_type!r}: "
-            "only Llama architectures (LlamaForCausalLM) are supported")
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads"):
-        if field not in config:
-            raise ValueError(f"config.json is missing field {field!r}")
-    num_heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    head_dim = config.get("head_dim") or hidden // num_heads
-    scaling = None
-    rs = config.get("rope_scaling")
-    rope_theta = config.get("rope_theta")
-    rope_params = config.get("rope_parameters")  # transformers >= 5 style
-    if rope_params and isinstance(rope_params, Mapping):
-        rope_theta = rope_params.get("rope_theta", rope_theta)
-        if rope_params.get("rope_type", "default") != "default":
-            rs = rope_params
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "llama3":
-            scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
-        elif kind not in (None, "default"):
-            raise ValueError(f"config.json field 'rope_scaling' type {kind!r} is not supported "
-                             "(supported: default, llama3)")
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return ModelConfig(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-        rope_scaling=scaling,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-        name=name,
-    )
+    from paxkv.model.registry import family_for_hf_config   # local: the families are model code
+    return family_for_hf_config(config).config_from_hf(config, name)
 
 
 _LLAMA3_8B = ModelConfig(
@@ -324,6 +340,31 @@ PROFILE_NUM_BLOCKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How a step attends (frozen, hashable: a static jit argument)."""
+
+    backend: str = "reference"          # "reference" | "pallas"
+    fused: bool = False                 # Pallas RoPE + KV-write kernels (one device only)
+    # Decode steps of at most this many rows rotate and write inside the decode kernel.
+    # Measured on an H200 with Llama-3-8B (results/one_stream.md): one stream 240.3 against
+    # 234.0 tok/s, but a full batch of 256 lost 1.8% (65.35 against 66.57 requests/s),
+    # likely because each of thousands of attention programs waits on its own rotation.
+    rope_decode_max_rows: int = 8
+    decode_backend: str = "auto"        # `paged_attention(backend=...)`: auto, triton, mosaic
+
+    def __post_init__(self) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {self.backend!r}")
+        if self.fused and self.backend != "pallas":
+            raise ValueError("AttentionPlan.fused needs the pallas backend")
+
+    @classmethod
+    def for_backend(cls, backend: str, tensor_parallel: bool = False) -> "AttentionPlan":
+        """The default plan of a backend: Pallas fuses its layer kernels on one device."""
+        return cls(backend, fused=backend == "pallas" and not tensor_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """Everything the runner needs, derived once by `runner_config` (not built by hand).
 
@@ -336,6 +377,7 @@ class RunnerConfig:
     dtype: str                      # the weights' and activations' dtype, resolved
     kv_cache_dtype: str             # the pages' storage dtype, resolved: a concrete name
     attention_backend: str          # resolved: "reference" or "pallas"
+    attention: AttentionPlan        # how every step attends (`paxkv/model/attention.py`)
     block_size: int
     num_blocks: int                 # device blocks, null block included
     num_host_blocks: int            # host swap pool (0: none)
@@ -395,6 +437,7 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
     max_blocks = _cdiv(sched.max_model_len, cache.block_size)
     return RunnerConfig(
         model=engine.model, dtype=dtype, kv_cache_dtype=kv, attention_backend=backend,
+        attention=AttentionPlan.for_backend(backend, engine.tensor_parallel_size > 1),
         block_size=cache.block_size, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=sched.max_model_len, fixed_shapes=on_gpu,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_batch_limits,
                           resolve_dtype, runner_config)
@@ -24,12 +24,22 @@ __all__ = ["LLM", "LLMEngine"]
 
 
 def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | None]:
-    """A checkpoint directory -> (path, None); a preset name -> (path-or-None, config)."""
+    """A checkpoint directory or GGUF file -> (path, None); a preset name -> (path-or-None,
+    config): the real model's preset names its GGUF file."""
     from paxkv.config import PRESETS, get_preset
     if isinstance(model, ModelConfig):
         return None, model
-    if os.path.isdir(model):
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a checkpoint directory, a GGUF file, a preset name or "
+                         f"a ModelConfig, got {type(model).__name__}")
+    model = os.fspath(model)
+    if os.path.isdir(model) or model.endswith(".gguf"):
+        if not os.path.exists(model):
+            raise ValueError(f"model {model!r}: no such file")
         return model, None
+    from paxkv.assets import SMOLLM2_PRESET, smollm2_path
+    if model == SMOLLM2_PRESET:
+        return smollm2_path(), None
     if model == "tiny":
         from paxkv.assets import tiny_model_dir
         path = tiny_model_dir()
@@ -37,8 +47,8 @@ def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | 
             return path, None
     if model in PRESETS or model == "tiny":
         return None, get_preset(model)
-    raise ValueError(f"model {model!r} is neither a checkpoint directory nor a preset "
-                     f"({sorted(PRESETS) + ['tiny']})")
+    raise ValueError(f"model {model!r} is neither a checkpoint directory, a GGUF file nor a "
+                     f"preset ({sorted(PRESETS) + ['tiny', SMOLLM2_PRESET]})")
 
 
 class LLM:
@@ -117,8 +127,8 @@ class LLM:
             if params is None:
                 params, cfg = load_checkpoint(path, dtype=dtype)
             else:
-                from paxkv.config import from_hf_config
-                cfg = from_hf_config(path)
+                from paxkv.model.weights import checkpoint_config
+                cfg = checkpoint_config(path)
         elif params is None:
             from paxkv.model.weights import random_params
             params = random_params(cfg, jax.random.PRNGKey(seed), jdtype)
@@ -190,6 +200,25 @@ class LLM:
         for intake in intakes:
             engine.enqueue(intake)
         return self._run([intake.request_id for intake in intakes], use_tqdm)
+
+    def chat(self, messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered with the checkpoint's chat template (or `chat_template`) and
+        generated like `generate`; one output per conversation."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this model was loaded without one "
+                             "(pass tokenizer=... or a checkpoint that has tokenizer files)")
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, "
+                             "or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode(self, prompts: Prompt | Sequence[Prompt], layers: Sequence[int] | None = None,
                pooling: str = "last", use_tqdm: bool = False) -> list[EncodeOutput]:

@@ -97,8 +97,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
-        """Render a conversation; token ids by default (BOS comes from the template)."""
+                            tokenize: bool = True,
+                            chat_template: str | None = None) -> list[int] | str:
+        """Render a conversation with `chat_template` (default: the checkpoint's); token ids
+        by default (BOS, where the model wants one, comes from the template)."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, m in enumerate(messages):
@@ -108,7 +110,8 @@ class Tokenizer:
                 if not isinstance(m.get(key), str):
                     raise ValueError(f"messages[{i}].{key} must be a string")
         text = self.hf.apply_chat_template([dict(m) for m in messages],
-                                           chat_template=self.chat_template, tokenize=False,
+                                           chat_template=chat_template or self.chat_template,
+                                           tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         if not tokenize:
             return text
@@ -123,7 +126,11 @@ def has_tokenizer_files(path: str | os.PathLike) -> bool:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it has no tokenizer files."""
+    """The checkpoint's tokenizer (a GGUF file's own, with its chat template), or None when it
+    has no tokenizer files."""
+    from paxkv.model.gguf_file import gguf_tokenizer, is_gguf   # plain numpy until used
+    if is_gguf(path):
+        return gguf_tokenizer(path)
     if not has_tokenizer_files(path):
         return None
     return Tokenizer.from_pretrained(path)

@@ -267,8 +267,9 @@ def prefill_section(args, clock, results):
 
 def mixed_check(args, results):
     """A small mixed batch (decode + chunk + prompt + padding) through the model backend."""
-    from paxkv.model import pallas_backend
-    from paxkv.model.attention import reference_attention
+    from paxkv.cache.kv_pool import KVPool
+    from paxkv.config import AttentionPlan, ModelConfig
+    from paxkv.model.attention import PagedAttention, reference_attention
     from paxkv.model.batch import StepBatch
     rng = np.random.default_rng(9)
     q_lens, ctxs = [1, 37, 100, 0], [300, 77, 100, 0]
@@ -285,14 +286,17 @@ def mixed_check(args, results):
                       jnp.zeros(tokens, jnp.int32), tables, jnp.asarray(ctxs, jnp.int32),
                       jnp.asarray(cu), jnp.asarray(cu[1:] - 1))
     q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
-    out = pallas_backend.attend(q, k, v, batch, scale=HEAD_DIM ** -0.5, decode_only=False,
-                                interpret=args.smoke)
+    cfg = ModelConfig(vocab_size=16, hidden_size=Q_HEADS * HEAD_DIM, intermediate_size=16,
+                      num_layers=1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    attention = PagedAttention(cfg, batch, AttentionPlan("pallas"))
+    attention.interpret = args.smoke
+    out = attention.attend(q, KVPool((k,), (v,)), batch)
     ref = reference_attention(q, k, v, batch, HEAD_DIM ** -0.5)
     n = int(cu[-1])
     err = rel_err(out[:n], ref[:n])
     results["mixed_backend_err"] = err
     results["mixed_backend_finite"] = bool(jnp.isfinite(out).all())
-    log(f"\nmixed batch through pallas_backend vs reference_attention: err {err:.1e}, "
+    log(f"\nmixed batch through PagedAttention (pallas) vs reference_attention: err {err:.1e}, "
         f"finite {results['mixed_backend_finite']}")
 
 

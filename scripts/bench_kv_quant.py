@@ -231,7 +231,7 @@ def model_section(args, clock, results):
     from paxkv.cache import kv_pool as kvp
     from paxkv.config import PRESETS, ModelConfig
     from paxkv.model.batch import StepBatch
-    from paxkv.model.llama import forward_jit
+    from paxkv.model.forward import forward_jit
     from paxkv.model.weights import random_params
     if args.smoke:
         cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,

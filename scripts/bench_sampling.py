@@ -64,7 +64,7 @@ def today_step_fn():
     import jax
     import jax.numpy as jnp
 
-    from paxkv.model.llama import forward
+    from paxkv.model.forward import forward
     from paxkv.runner import transfer
     from paxkv.runner.runner import _unpack_inputs
 
@@ -163,7 +163,7 @@ def main(argv):
         b, decode_only, st, _, _ = runner.pack_step(items, plain)
         inputs, spec = _pack_inputs(b, st)
         out, runner.kv_pool = today(runner.params, runner.kv_pool, inputs, spec=spec, cfg=cfg,
-                                    backend=runner.backend, decode_only=decode_only)
+                                    plan=runner.plan, decode_only=decode_only)
         return out
 
     def run_today():

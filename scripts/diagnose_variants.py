@@ -33,8 +33,8 @@ def _module(name: str):
 def apply(name: str) -> None:
     """Replace the default that `name` names (see the module docstring)."""
     if name == "ropeapart":
-        module = _module("paxkv.model.pallas_backend")
-        module.fuses_rope_decode = lambda *args, **kwargs: False
+        module = _module("paxkv.model.attention")
+        module.PagedAttention.fuses_rope_decode = lambda *args, **kwargs: False
     elif name.startswith("rope"):
         module = _module("pallas_kernels.layer_ops.rope_kv_write")
         warps = int(name[4:])
@@ -49,7 +49,7 @@ def apply(name: str) -> None:
         module.default_pages_per_compute_block = lambda block_size: pages
     elif name.startswith("dwarps"):
         import functools
-        module = _module("paxkv.model.pallas_backend")
+        module = _module("pallas_kernels.paged_attention")
         module.rope_paged_attention = functools.partial(module.rope_paged_attention,
                                                         num_warps=int(name[6:]))
     elif name.startswith("dstages"):

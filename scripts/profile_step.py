@@ -89,7 +89,7 @@ def profile_batch(runner, b: int) -> dict:
     batch, decode_only, st, mode, k = runner.pack_step(items, rows)
     inputs, spec = _pack_inputs(batch, st, runner.mesh)
     pool = runner.kv_pool
-    kw = dict(spec=spec, cfg=cfg, backend=runner.backend, decode_only=decode_only,
+    kw = dict(spec=spec, cfg=cfg, plan=runner.plan, decode_only=decode_only,
               sampling_mode=mode, num_logprobs=k, mesh=runner.mesh)
     prev = runner._last_tokens
     res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)

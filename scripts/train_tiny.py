@@ -143,7 +143,7 @@ def token_nll(params: Any, windows, cfg):
     """Per-target negative log-likelihood `[B, T]` of windows `[B, T + 1]`."""
     import jax
     import jax.numpy as jnp
-    from paxkv.model.llama import dense_forward
+    from paxkv.model.dense import dense_forward
     logits, _ = dense_forward(params, windows[:, :-1], cfg)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
@@ -287,7 +287,7 @@ def main(argv: Sequence[str]) -> None:
     import jax.numpy as jnp
     import optax
     from tqdm import tqdm
-    from paxkv.model.llama import init_params
+    from paxkv.model.params import init_params
 
     t_start = time.time()
     corpus = Corpus(FLAGS.corpus_dir)

@@ -149,3 +149,68 @@ def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 320,
                        "eos_token_id": [tok.token_to_id("<|end_of_text|>"),
                                         tok.token_to_id("<|eot_id|>")]}, f)
     return path
+
+
+# ---------------------------------------------------------------------------- other families
+# Tiny random checkpoints of every family the registry serves, saved by transformers itself.
+# Windows are short (24 tokens) so the tests' prompts run past them; Gemma 3 has sliding and
+# global layers, its own local RoPE base, a linearly scaled global RoPE and a logit cap.
+FAMILY_WINDOW = 24
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=FAMILY_WINDOW),
+    "gemma3": dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, sliding_window=FAMILY_WINDOW, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_theta=1000.0, rope_local_base_freq=100.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0},
+                   final_logit_softcapping=30.0, tie_word_embeddings=True),
+}
+
+
+def _family_classes(family: str):
+    import transformers as tf
+    return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[family]
+
+
+def make_hf_family(family: str, seed: int = 0, init_std: float = 0.1, **overrides: Any):
+    """A random transformers model of `family` (float32, eval mode, eager attention), with
+    random norm gains and biases so that a model ignoring either would fail."""
+    torch = import_torch()
+    config_cls, model_cls = _family_classes(family)
+    kwargs = {**BASE_CONFIG, "initializer_range": init_std, **FAMILY_CONFIGS[family], **overrides}
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    model = model_cls(config).eval()
+    unit_offset = family == "gemma3"        # Gemma's gains are applied as 1 + w
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((0.0 if unit_offset else 1.0) + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def make_hf_family_checkpoint(path: str | os.PathLike, family: str, seed: int = 0,
+                              **overrides: Any) -> str:
+    model = make_hf_family(family, seed=seed, **overrides)
+    path = os.fspath(path)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf_family(path: str | os.PathLike, family: str):
+    """transformers' own load of a family checkpoint, float32, eager attention."""
+    torch = import_torch()
+    _, model_cls = _family_classes(family)
+    return model_cls.from_pretrained(os.fspath(path), dtype=torch.float32,
+                                     attn_implementation="eager").eval()

@@ -40,3 +40,22 @@ def ragged_case(seed, *, q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_to
     q = rng.standard_normal((tokens, q_heads, head_dim)).astype(np.float32)
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
             jnp.asarray(tables), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(cu), int(cu[-1]))
+
+
+def decode_case(seed, *, batch, q_heads, kv_heads, block_size, max_blocks, lens, dtype,
+                head_dim=HEAD_DIM):
+    """A fresh random decode batch: `(q, k_pages, v_pages, block_tables, context_lens)`.
+
+    Each sequence's pages are a random permutation of pool blocks; the table entries past its
+    length are the null block 0. Tables and lengths are int32 numpy arrays."""
+    rng = np.random.default_rng(seed)
+    num_blocks = batch * max_blocks + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(rng.standard_normal((batch, q_heads, head_dim)), dtype)
+    tables = rng.permutation(np.arange(1, num_blocks))[: batch * max_blocks]
+    tables = tables.reshape(batch, max_blocks).astype(np.int32)
+    for b, n in enumerate(lens):
+        tables[b, -(-int(n) // block_size):] = 0
+    return q, k, v, tables, np.asarray(lens, np.int32)

@@ -7,7 +7,7 @@ import pytest
 from paxkv.config import get_preset
 from paxkv.model.dense import dense_forward
 from paxkv.model.fusion import fuse_projections, is_fused
-from paxkv.model.llama import init_params
+from paxkv.model.params import init_params
 from paxkv.model.weights import hf_tensors
 
 

@@ -278,7 +278,7 @@ def test_pallas_ragged_kernel_quantized_pages(name, interpret):
 def test_paged_forward_pallas_matches_reference_on_quantized_pool(name="fp8"):
     """The whole model step (quantized write + kernels), prefill chunk then decode; the
     kernel tests above cover the other formats."""
-    from paxkv.model.llama import forward
+    from paxkv.model.forward import forward
     from paxkv.model.weights import random_params
     cfg = dataclasses.replace(CFG, num_layers=1)
     params = random_params(cfg, 0, jnp.float32)

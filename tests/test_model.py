@@ -17,7 +17,8 @@ import pytest
 
 from hf_fixtures import TINY_CONFIGS, hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint
 from paxkv.cache.kv_pool import init_pool
-from paxkv.model import llama
+from paxkv.model import dense, params as model_params
+from paxkv.model import forward as paged
 from paxkv.model.batch import StepBatch
 from paxkv.model.weights import load_checkpoint
 
@@ -109,10 +110,10 @@ def test_paged_prefill_logits_match_transformers(setup):
     seqs = PagedSeqs(len(prompts), MAX_LEN, BLOCK_SIZE, seed=1)
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
     batch = seqs.batch(prompts, PREFILL_TOKENS, PREFILL_SEQS)
-    last, _ = llama.forward_jit(params, batch, pool, cfg)
+    last, _ = paged.forward_jit(params, batch, pool, cfg)
     assert last.shape == (PREFILL_SEQS, cfg.vocab_size) and last.dtype == jnp.float32
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
-    every, _ = llama.forward_jit(params, batch, pool, cfg, all_logits=True)
+    every, _ = paged.forward_jit(params, batch, pool, cfg, all_logits=True)
     assert every.shape == (PREFILL_TOKENS, cfg.vocab_size)
     start = 0
     for i, prompt in enumerate(prompts):
@@ -134,14 +135,14 @@ def test_paged_chunked_prefill_then_decode_matches_transformers_greedy(setup):
     # one compilation for both steps.
     step1 = [p[:c] if i % 2 == 0 else [] for i, (p, c) in enumerate(zip(prompts, cut))]
     step2 = [p[c:] if i % 2 == 0 else p for i, (p, c) in enumerate(zip(prompts, cut))]
-    _, pool = llama.forward_jit(params, seqs.batch(step1, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
-    logits, pool = llama.forward_jit(params, seqs.batch(step2, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
+    _, pool = paged.forward_jit(params, seqs.batch(step1, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
+    logits, pool = paged.forward_jit(params, seqs.batch(step2, PREFILL_TOKENS, PREFILL_SEQS), pool, cfg)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[i]), hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
     generated = [[int(t)] for t in np.argmax(np.asarray(logits[:len(prompts)]), axis=-1)]
     for _ in range(GREEDY_TOKENS - 1):
         batch = seqs.batch([[g[-1]] for g in generated], num_tokens=5, num_seqs=5)
-        logits, pool = llama.forward_jit(params, batch, pool, cfg, decode_only=True)
+        logits, pool = paged.forward_jit(params, batch, pool, cfg, decode_only=True)
         for g, t in zip(generated, np.argmax(np.asarray(logits[:len(prompts)]), axis=-1)):
             g.append(int(t))
     for p, g in zip(prompts, generated):
@@ -154,7 +155,7 @@ def test_dense_forward_without_cache_matches_transformers(setup):
     ids = np.zeros((len(prompts), t), np.int32)  # right padding: must not affect real tokens
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
-    logits, cache = jax.jit(llama.dense_forward, static_argnames="cfg")(params, jnp.asarray(ids), cfg)
+    logits, cache = jax.jit(dense.dense_forward, static_argnames="cfg")(params, jnp.asarray(ids), cfg)
     assert cache is None and logits.shape == (len(prompts), t, cfg.vocab_size)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[i, :len(p)]), hf_logits(hf, p), atol=ATOL, rtol=0)
@@ -167,15 +168,15 @@ def test_dense_forward_with_cache_ragged_decode(dense_setup):
     ids = np.zeros((len(prompts), lens.max()), np.int32)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
-    cache = llama.init_cache(cfg, len(prompts), int(lens.max()) + 8, jnp.float32)
-    logits, cache = llama.dense_forward_jit(params, jnp.asarray(ids), cfg, cache, 0)
+    cache = dense.init_cache(cfg, len(prompts), int(lens.max()) + 8, jnp.float32)
+    logits, cache = dense.dense_forward_jit(params, jnp.asarray(ids), cfg, cache, 0)
     rng = np.random.default_rng(3)
     seqs = [list(p) for p in prompts]
     for step in range(3):
         new = rng.integers(0, cfg.vocab_size, len(prompts))
         for s, t in zip(seqs, new):
             s.append(int(t))
-        logits, cache = llama.dense_forward_jit(params, jnp.asarray(new[:, None], jnp.int32), cfg,
+        logits, cache = dense.dense_forward_jit(params, jnp.asarray(new[:, None], jnp.int32), cfg,
                                                 cache, jnp.asarray(lens + step, jnp.int32))
         for i, s in enumerate(seqs):
             np.testing.assert_allclose(np.asarray(logits[i, 0]), hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
@@ -186,21 +187,21 @@ def test_dense_greedy_generate_matches_transformers(dense_setup):
     # Prompts of one length bucket (one prefill + one decode compilation); 13 + 32 tokens
     # still run past llama3_rope's original_max_position_embeddings of 32.
     for p in (prompts[0], prompts[1], prompts[4]):
-        assert llama.greedy_generate(params, cfg, p, GREEDY_TOKENS) == hf_greedy(hf, p, GREEDY_TOKENS)
+        assert dense.greedy_generate(params, cfg, p, GREEDY_TOKENS) == hf_greedy(hf, p, GREEDY_TOKENS)
 
 
 def test_greedy_generate_stops_and_rejects_bad_input(tmp_path_factory):
     name, params, cfg, hf, prompts = _build("gqa", tmp_path_factory)
-    full = llama.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS)
+    full = dense.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS)
     stop = full[5]
-    assert llama.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS, stop_token_ids=[stop]) == \
+    assert dense.greedy_generate(params, cfg, prompts[0], GREEDY_TOKENS, stop_token_ids=[stop]) == \
         full[:full.index(stop) + 1]
     with pytest.raises(ValueError, match="prompt_ids"):
-        llama.greedy_generate(params, cfg, [], 4)
+        dense.greedy_generate(params, cfg, [], 4)
     with pytest.raises(ValueError, match="prompt_ids"):
-        llama.greedy_generate(params, cfg, [cfg.vocab_size], 4)
+        dense.greedy_generate(params, cfg, [cfg.vocab_size], 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        llama.greedy_generate(params, cfg, [1], -1)
+        dense.greedy_generate(params, cfg, [1], -1)
 
 
 def test_forward_rejects_mismatched_pool(setup):
@@ -210,7 +211,7 @@ def test_forward_rejects_mismatched_pool(setup):
     bad = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
     bad = bad._replace(k=bad.k[:1], v=bad.v[:1])
     with pytest.raises(ValueError, match="num_layers"):
-        llama.forward(params, batch, bad, cfg)
+        paged.forward(params, batch, bad, cfg)
 
 
 def test_bfloat16_weights_track_float32(tmp_path):
@@ -220,16 +221,16 @@ def test_bfloat16_weights_track_float32(tmp_path):
     p16, _ = load_checkpoint(path, dtype="bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(p16))
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 21).tolist()
-    dense = jax.jit(llama.dense_forward, static_argnames="cfg")
-    ref = np.asarray(dense(p32, jnp.asarray([prompt]), cfg)[0][0])
-    dense16 = np.asarray(dense(p16, jnp.asarray([prompt]), cfg)[0][0])
+    dense_jit = jax.jit(dense.dense_forward, static_argnames="cfg")
+    ref = np.asarray(dense_jit(p32, jnp.asarray([prompt]), cfg)[0][0])
+    dense16 = np.asarray(dense_jit(p16, jnp.asarray([prompt]), cfg)[0][0])
     assert dense16.dtype == np.float32
     spread = ref.std()
     assert np.abs(dense16 - ref).max() < 0.1 * spread   # bf16 rounding, not a different model
     seqs = PagedSeqs(1, len(prompt), BLOCK_SIZE, seed=4)
     pool = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.bfloat16)
     batch = seqs.batch([prompt], num_tokens=len(prompt), num_seqs=1)
-    paged16, pool = jax.jit(llama.forward_all_logits, static_argnames="cfg")(p16, batch, pool, cfg)
+    paged16, pool = jax.jit(paged.forward_all_logits, static_argnames="cfg")(p16, batch, pool, cfg)
     assert pool.k[0].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(paged16), dense16, atol=0.05 * spread, rtol=0)
 
@@ -240,8 +241,8 @@ def test_init_params_shapes_and_training_step():
     from paxkv.config import ModelConfig
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
-    params = llama.init_params(cfg, jax.random.key(0), jnp.float32)
-    shapes = llama.param_shapes(cfg, jnp.float32)
+    params = model_params.init_params(cfg, jax.random.key(0), jnp.float32)
+    shapes = model_params.param_shapes(cfg, jnp.float32)
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(shapes)
     assert "lm_head" not in params
     np.testing.assert_array_equal(np.asarray(params["norm"]["scale"]), 1.0)
@@ -250,7 +251,7 @@ def test_init_params_shapes_and_training_step():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16)), jnp.int32)
 
     def loss_fn(p):
-        logits, _ = llama.dense_forward(p, tokens[:, :-1], cfg)
+        logits, _ = dense.dense_forward(p, tokens[:, :-1], cfg)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     opt = optax.adam(1e-2)

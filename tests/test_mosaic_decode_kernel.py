@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_helpers import rel_err
+from kernel_helpers import decode_case, rel_err
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_attention import tuning
 
@@ -19,17 +19,10 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
 def make_case(seed, *, batch, q_heads, kv_heads, block_size, max_blocks, lens, dtype):
-    rng = np.random.default_rng(seed)
-    num_blocks = batch * max_blocks + 3
-    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    q = jnp.asarray(rng.standard_normal((batch, q_heads, HEAD_DIM)), dtype)
-    tables = rng.permutation(np.arange(1, num_blocks))[: batch * max_blocks]
-    tables = tables.reshape(batch, max_blocks).astype(np.int32)
-    for b, n in enumerate(lens):                 # unused entries: the null block
-        tables[b, -(-n // block_size):] = 0
-    return q, k, v, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
+    q, k, v, tables, lens = decode_case(seed, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
+                                        block_size=block_size, max_blocks=max_blocks, lens=lens,
+                                        dtype=dtype, head_dim=HEAD_DIM)
+    return q, k, v, jnp.asarray(tables), jnp.asarray(lens)
 
 
 CASES = [

@@ -15,7 +15,8 @@ from paxkv.cache import kv_pool as kvp
 from paxkv.config import ModelConfig
 from paxkv.model.dense import dense_forward
 from paxkv.model.fusion import fuse_projections
-from paxkv.model.llama import forward, init_params
+from paxkv.model.forward import forward
+from paxkv.model.params import init_params
 from paxkv.engine.step_io import WorkItem
 from paxkv.runner import Runner
 

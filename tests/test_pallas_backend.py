@@ -8,11 +8,20 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from paxkv.cache.kv_pool import write_layer
-from paxkv.model.attention import attend
+from paxkv.cache.kv_pool import KVPool, write_layer
+from paxkv.config import AttentionPlan, ModelConfig
+from paxkv.model.attention import PagedAttention
 from paxkv.model.batch import StepBatch
 
 HEAD_DIM, Q_HEADS, KV_HEADS, BLOCK = 32, 8, 2, 8
+CFG = ModelConfig(vocab_size=16, hidden_size=Q_HEADS * HEAD_DIM, intermediate_size=16,
+                  num_layers=1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+
+
+def attend(q, k, v, batch, *, backend, decode_only, window=None):
+    """The attention module's choice of kernel for this step (no write: the pages hold it)."""
+    attention = PagedAttention(CFG, batch, AttentionPlan(backend), decode_only)
+    return attention.attend(q, KVPool((k,), (v,)), batch, window)
 
 
 def build_step(seed, q_lens, ctx_lens, pad_tokens, dtype):
@@ -58,11 +67,27 @@ def build_step(seed, q_lens, ctx_lens, pad_tokens, dtype):
 def test_pallas_backend_matches_reference(q_lens, ctx_lens, pad_tokens, decode_only, dtype):
     q, k, v, batch, real = build_step(len(q_lens) * 10 + pad_tokens, q_lens, ctx_lens,
                                       pad_tokens, dtype)
-    scale = HEAD_DIM ** -0.5
-    out = attend(q, k, v, batch, scale=scale, backend="pallas", decode_only=decode_only)
-    ref = attend(q, k, v, batch, scale=scale, backend="reference", decode_only=decode_only)
+    out = attend(q, k, v, batch, backend="pallas", decode_only=decode_only)
+    ref = attend(q, k, v, batch, backend="reference", decode_only=decode_only)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert bool(jnp.isfinite(out).all())                         # padding rows included
     o, r = np.asarray(out[:real], np.float64), np.asarray(ref[:real], np.float64)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert np.linalg.norm(o - r) / np.linalg.norm(r) < tol
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,pad_tokens,decode_only,window", [
+    ([1, 1, 1, 0], [23, 1, 40, 0], 1, True, 9),         # decode: the window cuts two contexts
+    ([1, 12, 30, 0], [50, 12, 41, 0], 3, False, 16),    # decode + prompt + chunk
+])
+def test_pallas_backend_sliding_window_matches_reference(q_lens, ctx_lens, pad_tokens,
+                                                         decode_only, window):
+    """A sliding layer's step through the attention module: the Pallas kernel it picks equals
+    the reference, and differs from full attention."""
+    q, k, v, batch, real = build_step(window, q_lens, ctx_lens, pad_tokens, jnp.float32)
+    out = attend(q, k, v, batch, backend="pallas", decode_only=decode_only, window=window)
+    ref = attend(q, k, v, batch, backend="reference", decode_only=decode_only, window=window)
+    full = attend(q, k, v, batch, backend="reference", decode_only=decode_only)
+    o, r, f = (np.asarray(x[:real], np.float64) for x in (out, ref, full))
+    assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-5
+    assert np.linalg.norm(f - r) / np.linalg.norm(r) > 1e-2

@@ -8,7 +8,7 @@ import pytest
 
 from paxkv import LLM
 from paxkv.config import ModelConfig
-from paxkv.model.llama import init_params
+from paxkv.model.params import init_params
 from paxkv.runner import memory, profile_activation_bytes
 
 from engine_helpers import make_runner_config

@@ -143,16 +143,26 @@ def test_fused_decode_default_splits_capped(interpret):
 
 
 def test_engine_fuses_rope_only_into_small_decode_steps():
-    """The model takes the fused kernel for decode steps of up to `ROPE_DECODE_MAX_ROWS`
-    rows with unquantized pages, and the separate RoPE + KV-write kernel elsewhere."""
+    """The model takes the fused kernel for decode steps of up to
+    `AttentionPlan.rope_decode_max_rows` rows with unquantized pages, and the separate RoPE +
+    KV-write kernel elsewhere."""
     from types import SimpleNamespace
-    from paxkv.model import pallas_backend as pb
+
+    from paxkv.cache.kv_pool import KVPool
+    from paxkv.config import AttentionPlan, ModelConfig
+    from paxkv.model.attention import PagedAttention
+    cfg = ModelConfig(vocab_size=16, hidden_size=32 * HEAD_DIM, intermediate_size=16,
+                      num_layers=1, num_heads=32, num_kv_heads=8, head_dim=HEAD_DIM)
+    plan = AttentionPlan("pallas", fused=True)
     pages = np.zeros((4, 16, 8, HEAD_DIM), np.float32)
-    def fused(rows, **kw):
-        args = dict(decode_only=True, quantized=False) | kw
+    plain, quantized = KVPool((pages,), (pages,)), KVPool((pages,), (pages,), (pages,), (pages,))
+
+    def fused(rows, decode_only=True, pool=plain):
+        batch = SimpleNamespace(context_lens=np.zeros(rows), positions=np.zeros(rows))
+        attention = PagedAttention.__new__(PagedAttention)
+        attention.cfg, attention.plan, attention.decode_only = cfg, plan, decode_only
         qkv = np.zeros((rows, 32 + 16, HEAD_DIM), np.float32)
-        return pb.fuses_rope_decode(qkv, pages, SimpleNamespace(context_lens=np.zeros(rows)),
-                                    **args)
-    assert fused(1) and fused(pb.ROPE_DECODE_MAX_ROWS)
-    assert not fused(pb.ROPE_DECODE_MAX_ROWS * 2)
-    assert not fused(8, decode_only=False) and not fused(8, quantized=True)
+        return attention.fuses_rope_decode(qkv, pool, batch)
+    assert fused(1) and fused(plan.rope_decode_max_rows)
+    assert not fused(plan.rope_decode_max_rows * 2)
+    assert not fused(8, decode_only=False) and not fused(8, pool=quantized)

@@ -111,7 +111,7 @@ def test_one_all_reduce_after_each_row_parallel_matmul(checkpoint):
     """The compiled TP step all-reduces the hidden state after the embedding, o_proj and
     down_proj (1 + 2 per layer) and all-gathers no weight."""
     from paxkv.model.batch import StepBatch
-    from paxkv.model.llama import forward
+    from paxkv.model.forward import forward
     from paxkv.parallel import loading, sharding
     from paxkv.parallel.mesh import make_mesh
     mesh = make_mesh(4)

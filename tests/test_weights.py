@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import TINY_CONFIGS, hf_logits, import_torch, load_hf_model, make_hf_checkpoint
-from paxkv.model import llama
+from paxkv.model import dense, params as model_params
 from paxkv.model.weights import (load_checkpoint, random_params, read_safetensors_header,
                                  save_checkpoint, tensor_specs, write_safetensors)
 
@@ -61,7 +61,7 @@ def test_load_matches_hf_tensors_in_layout_and_dtype(ckpt):
         np.testing.assert_array_equal(np.asarray(got16), ref.astype(ml_dtypes.bfloat16))
     # No stray leaves: the tree is exactly the model's parameter tree.
     assert jax.tree_util.tree_structure(p32) == jax.tree_util.tree_structure(
-        llama.param_shapes(cfg, jnp.float32))
+        model_params.param_shapes(cfg, jnp.float32))
 
 
 def test_bf16_checkpoint_and_sharded_checkpoint_load_the_same_values(tmp_path):
@@ -127,10 +127,10 @@ def test_unexpected_tensor_is_named(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("architectures", ["MistralForCausalLM"], "architectures"),
+    ("architectures", ["GPT2LMHeadModel"], "architectures"),
     ("model_type", "gpt2", "model_type"),
     ("hidden_act", "gelu", "hidden_act"),
-    ("attention_bias", True, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"),
 ])
 def test_unsupported_config_is_named(ckpt, tmp_path, field, value, match):
     bad = str(tmp_path / "bad")
@@ -175,7 +175,7 @@ def test_save_checkpoint_loads_in_transformers(tmp_path, variant):
     hf = load_hf_model(tmp_path / "out")
     assert hf.config.tie_word_embeddings == cfg.tie_word_embeddings
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 40).tolist()
-    ours = np.asarray(jax.jit(llama.dense_forward, static_argnames="cfg")(
+    ours = np.asarray(jax.jit(dense.dense_forward, static_argnames="cfg")(
         params, jnp.asarray([prompt]), cfg)[0][0])
     np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
     reloaded, cfg2 = load_checkpoint(tmp_path / "out", dtype="float32")
@@ -202,7 +202,7 @@ def test_random_params_layout():
     from paxkv.config import PRESETS
     cfg = PRESETS["tiny-random"]
     params = random_params(cfg, 1, "bfloat16")
-    shapes = llama.param_shapes(cfg, jnp.bfloat16)
+    shapes = model_params.param_shapes(cfg, jnp.bfloat16)
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(shapes)
     for a, s in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(shapes)):
         assert a.shape == s.shape and a.dtype == jnp.bfloat16

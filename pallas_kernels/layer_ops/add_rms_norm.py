@@ -18,15 +18,21 @@ from pallas_kernels.paged_attention.paging import is_power_of_two, resolve_num_w
 
 
 def add_rms_norm_reference(x: jax.Array, residual: jax.Array | None, scale: jax.Array,
-                           eps: float) -> tuple[jax.Array, jax.Array]:
-    """-> (the new residual `x + residual` in x's dtype, its RMSNorm times `scale` in scale's dtype)."""
+                           eps: float, unit_offset: bool = False) -> tuple[jax.Array, jax.Array]:
+    """-> (the new residual `x + residual` in x's dtype, its RMSNorm times `scale` in scale's
+    dtype). `unit_offset`: the gain is `1 + scale`, added in float32 (Gemma's norms)."""
     total = x if residual is None else (x + residual).astype(x.dtype)
     tf = total.astype(jnp.float32)
     normed = tf * jax.lax.rsqrt(jnp.mean(tf * tf, axis=-1, keepdims=True) + eps)
-    return total, (normed * scale.astype(jnp.float32)).astype(scale.dtype)
+    return total, (normed * _gain(scale, unit_offset)).astype(scale.dtype)
 
 
-def _kernel(*refs, eps: float, has_residual: bool):
+def _gain(scale: jax.Array, unit_offset: bool) -> jax.Array:
+    gain = scale.astype(jnp.float32)
+    return gain + 1.0 if unit_offset else gain
+
+
+def _kernel(*refs, eps: float, has_residual: bool, unit_offset: bool):
     if has_residual:
         x_ref, r_ref, scale_ref, total_ref, normed_ref = refs
         total = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
@@ -36,7 +42,7 @@ def _kernel(*refs, eps: float, has_residual: bool):
         total = x_ref[...]
     tf = total.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(tf * tf) / tf.shape[0] + eps)
-    normed_ref[...] = (tf * inv * scale_ref[...].astype(jnp.float32)).astype(normed_ref.dtype)
+    normed_ref[...] = (tf * inv * _gain(scale_ref[...], unit_offset)).astype(normed_ref.dtype)
 
 
 def supported(hidden: int) -> bool:
@@ -49,9 +55,9 @@ def default_num_warps(hidden: int) -> int:
     return 4 if hidden >= 1024 else 1
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "interpret", "num_warps"))
 def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, eps: float,
-                 interpret: bool = False,
+                 unit_offset: bool = False, interpret: bool = False,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`add_rms_norm_reference` as one Pallas launch (one program per row).
 
@@ -77,7 +83,8 @@ def add_rms_norm(x: jax.Array, residual: jax.Array | None, scale: jax.Array, *, 
         out_shape = (jax.ShapeDtypeStruct((n, hidden), x.dtype), normed_shape)
         out_specs = (row_spec, row_spec)
     out = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), has_residual=residual is not None),
+        functools.partial(_kernel, eps=float(eps), has_residual=residual is not None,
+                          unit_offset=unit_offset),
         grid=(n,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
             num_warps=resolve_num_warps(num_warps, default_num_warps(hidden)),

@@ -21,7 +21,11 @@ Why it is shaped this way:
   sums them.
 - fp32 softmax state and accumulators in base 2 (`exp2`, log2(e) folded into the scale).
 - Masked loads: tokens past the context length are neither read nor counted, so stale or
-  non-finite page contents past the end never reach the output. With fp8 pages (which need
+  non-finite page contents past the end never reach the output.
+- Sliding windows (`window`): only keys at positions > query - window count. The splits
+  share the pages from the window's first (rounded down to a loop step) to the last, so
+  pages before the window are never read: the sequence's block table may hold the null
+  block there (the engine frees them). Every step is masked then. With fp8 pages (which need
   a select per element to mask) all loop steps but the one that reaches past the length run
   unmasked, and only that last step masks.
 - 8-bit pages (fp8 e4m3/e5m2, int8) are converted once, straight to the dots' dtype
@@ -65,7 +69,7 @@ def _split_full_steps(page_dtype) -> bool:
 def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                    pages_per_compute_block: int, group: int,
                    rows: int, scale: float, quantized: bool, num_splits: int, dot_dtype,
-                   rope_heads: tuple[int, int] | None = None):
+                   rope_heads: tuple[int, int] | None = None, window: int | None = None):
     """One (sequence, kv head, split): online softmax over that split's pages.
 
     With `rope_heads` (q heads, kv heads) `q_ref` holds the step's packed, unrotated q/k/v
@@ -110,9 +114,14 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
     # steps each. Whole loop steps per split, so no step crosses into the next split, and
     # never more pages than the table's padding gives each split (`paged_attention`).
     length_pages = _cdiv(page_length, block_size)
-    split_pages = (_cdiv(_cdiv(length_pages, num_splits), pages_per_compute_block)
-                   * pages_per_compute_block)
-    first_page = s * split_pages
+    # With a window, the query (at `length - 1`) sees keys from `window_start` on; the
+    # splits start at its page, rounded down to a whole loop step so every step's pages stay
+    # inside the table's padded width.
+    window_start = 0 if window is None else jnp.maximum(length - window, 0)
+    window_page = (window_start // block_size) // pages_per_compute_block * pages_per_compute_block
+    split_pages = (_cdiv(_cdiv(jnp.maximum(length_pages - window_page, 0), num_splits),
+                         pages_per_compute_block) * pages_per_compute_block)
+    first_page = window_page + s * split_pages
     last_page = jnp.minimum(length_pages, first_page + split_pages)
     num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
 
@@ -128,15 +137,18 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
         slots = paging.token_slots(table_ref, None, page0, block_k, block_size)
         valid = None
         if masked:
-            valid = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32) < page_length
+            tok = page0 * block_size + jnp.arange(block_k, dtype=jnp.int32)
+            valid = tok < page_length
+            if window is not None:
+                valid &= tok >= window_start
         logits = paging.key_logits(q, k_ref, ks_ref, slots, valid, precision)
         if qk_scale != 1.0:
             logits = logits * qk_scale
         if masked:
             logits = jnp.where(valid[None, :], logits, -jnp.inf)
-        # every step has a token, so the running max is finite: no empty-row guard
+        # without a window every step has a token, so the running max is finite: no guard
         return paging.softmax_step(carry, logits, v_ref, vs_ref, slots, valid, compute_dtype,
-                                   precision, guard_empty_rows=False)
+                                   precision, guard_empty_rows=window is not None)
 
     carry = paging.init_softmax_state(rows, head_dim)
     if rope_heads is not None:   # split 0 starts from the new token: max = its logit, sum 1
@@ -145,7 +157,7 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
                            carry[0]),
                  jnp.where(with_new, new_logit, carry[1]),
                  jnp.where(with_new, 1.0, carry[2]))
-    if _split_full_steps(k_ref.dtype):
+    if _split_full_steps(k_ref.dtype) and window is None:
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
     else:
         num_full = 0
@@ -237,7 +249,7 @@ def _pages_to_tokens(pages: jax.Array, layout: str) -> jax.Array:
 
 def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layout, block_size,
                  num_kv_heads, pages_per_compute_block, num_splits, scale,
-                 num_warps, num_stages, dot_dtype, interpret, rope=None):
+                 num_warps, num_stages, dot_dtype, interpret, rope=None, window=None):
     """-> attention output `[B, Hq, d]`; with `rope` (cos, sin, slot_mapping: `q` is then the
     packed q/k/v heads, `rope_paged_attention`) -> (output, k_tok, v_tok)."""
     batch, packed_heads, head_dim = q.shape
@@ -292,8 +304,10 @@ def _decode_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, lengths, *, layo
         _decode_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
         group=group, rows=rows, scale=scale,
         quantized=quantized, num_splits=num_splits, dot_dtype=dot_dtype,
-        rope_heads=None if rope is None else (num_heads, num_kv_heads))
+        rope_heads=None if rope is None else (num_heads, num_kv_heads), window=window)
     prefix = "paxkv_paged_decode" if rope is None else "paxkv_rope_paged_decode"
+    if window is not None:
+        prefix += f"_w{window}"
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -321,11 +335,15 @@ def _pages_per_compute_block(requested: int | None, block_size: int) -> int:
 
 
 def _split_plan(block_tables, batch: int, num_kv_heads: int, ppcb: int,
-                num_splits: int | None,
-                max_splits: int | None = None) -> tuple[int, int, jax.Array]:
+                num_splits: int | None, max_splits: int | None = None,
+                window_pages: int | None = None) -> tuple[int, int, jax.Array]:
     """-> (splits, pages per split, block tables padded with the null block to cover them);
-    `num_splits` None: `choose_num_splits` up to `max_splits`."""
+    `num_splits` None: `choose_num_splits` up to `max_splits`, for contexts of at most
+    `window_pages` pages where a window bounds them."""
     max_pages = block_tables.shape[1]
+    if num_splits is None and window_pages is not None:
+        num_splits = choose_num_splits(batch, num_kv_heads, min(max_pages, window_pages), ppcb,
+                                       max_splits=max_splits)
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_pages, ppcb,
                                              max_splits=max_splits)
     if splits < 1:
@@ -365,12 +383,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, k_scale, v_sc
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
+    "scale", "window", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
     "pages_layout", "backend", "dot_dtype", "warp_specialized", "interpret"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
-                    scale: float | None = None, pages_per_compute_block: int | None = None,
+                    scale: float | None = None, window: int | None = None,
+                    pages_per_compute_block: int | None = None,
                     num_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                     pages_layout: str = "blocks_first", backend: str = "auto",
                     dot_dtype: str | None = None, warp_specialized: bool | None = None,
@@ -387,8 +406,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_scale, v_scale: optional per-token dequantization scales shaped like the pages
         without `head_dim` (quantized fp8/int8 pools).
       scale: softmax scale (default `head_dim ** -0.5`).
+      window: sliding window: only keys at positions > query - window (the query is the
+        sequence's last token, at `context_lens - 1`); pages before the window are not read.
       pages_per_compute_block: pages gathered per loop step (default ~128 tokens).
-      num_splits: split-K count (default from batch, heads and `max_blocks`).
+      num_splits: split-K count (default from batch, heads and `max_blocks`, or the window).
       num_warps, num_stages: launch parameters (stages default to 2, fewer where the K/V
         tiles would not fit in shared memory); the Mosaic GPU kernel uses only the stages.
       pages_layout: "blocks_first" or "heads_first" (Triton only).
@@ -413,11 +434,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"backend must be one of {tuning.BACKENDS}, got {backend!r}")
     ppcb = _pages_per_compute_block(pages_per_compute_block, block_size)
     max_pages = block_tables.shape[1]
+    _check_window(window)
     backend = tuning.resolve_backend(
         backend, interpret, lambda: tuning.decode_backend(k_pages.dtype, batch, max_pages * block_size),
-        lambda: mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret))
-    splits, pages_per_split, block_tables = _split_plan(block_tables, batch, num_kv_heads,
-                                                        ppcb, num_splits)
+        lambda: ("it has no sliding window" if window is not None else
+                 mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret)))
+    splits, pages_per_split, block_tables = _split_plan(
+        block_tables, batch, num_kv_heads, ppcb, num_splits,
+        window_pages=None if window is None else _cdiv(window, block_size) + ppcb)
 
     if backend == "mosaic":
         return mosaic_decode.decode(
@@ -445,15 +469,24 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         context_lens, layout=pages_layout, block_size=block_size, num_kv_heads=num_kv_heads,
         pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages,
-        dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret)
+        dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype), interpret=interpret,
+        window=window)
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret"))
+    "scale", "window", "pages_per_compute_block", "num_splits", "num_warps", "num_stages",
+    "interpret"))
 def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
                          slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          block_tables: jax.Array, context_lens: jax.Array, *,
-                         scale: float | None = None, pages_per_compute_block: int | None = None,
+                         scale: float | None = None, window: int | None = None,
+                         pages_per_compute_block: int | None = None,
                          num_splits: int | None = None, num_warps: int = 4,
                          num_stages: int | None = None,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -473,7 +506,7 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
       k_pages, v_pages: one layer's unquantized blocks-first pages (aliased to the outputs).
       block_tables, context_lens: as `paged_attention`; `context_lens` counts the new token,
         the sequence's last (0: a padding row, output 0, nothing written).
-      scale, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
+      scale, window, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
       num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
     Returns:
       (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
@@ -499,8 +532,10 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
     if scale is None:
         scale = head_dim ** -0.5
     ppcb = _pages_per_compute_block(pages_per_compute_block, block_size)
-    splits, _, block_tables = _split_plan(block_tables, batch, num_kv_heads, ppcb, num_splits,
-                                          max_splits=ROPE_DECODE_MAX_SPLITS)
+    _check_window(window)
+    splits, _, block_tables = _split_plan(
+        block_tables, batch, num_kv_heads, ppcb, num_splits, max_splits=ROPE_DECODE_MAX_SPLITS,
+        window_pages=None if window is None else _cdiv(window, block_size) + ppcb)
     num_stages = paging.fit_num_stages(
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
         kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
@@ -510,5 +545,5 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
         None, None, block_tables, context_lens, layout="blocks_first", block_size=block_size,
         num_kv_heads=num_kv_heads, pages_per_compute_block=ppcb, num_splits=splits,
         scale=float(scale), num_warps=num_warps, num_stages=num_stages, dot_dtype=None,
-        interpret=interpret, rope=(cos, sin, slot_mapping))
+        interpret=interpret, rope=(cos, sin, slot_mapping), window=window)
     return out, k_tok.reshape(k_pages.shape), v_tok.reshape(v_pages.shape)

@@ -35,6 +35,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               block_tables: jax.Array, context_lens: jax.Array,
                               k_scale: jax.Array | None = None,
                               v_scale: jax.Array | None = None, *, scale: float | None = None,
+                              window: int | None = None,
                               pages_layout: str = "blocks_first") -> jax.Array:
     """Same contract as `paged_attention`; plain gathers, no tiling (slow, exact)."""
     if pages_layout == "heads_first":                   # -> blocks_first
@@ -46,14 +47,17 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     scale = head_dim ** -0.5 if scale is None else scale
     k = gather_sequences(k_pages, k_scale, block_tables)
     v = gather_sequences(v_pages, v_scale, block_tables)
-    visible = jnp.arange(block_tables.shape[1] * block_size)[None, :] < context_lens[:, None]
+    key = jnp.arange(block_tables.shape[1] * block_size)[None, :]
+    visible = key < context_lens[:, None]
+    if window is not None:
+        visible &= key >= context_lens[:, None] - window
     return masked_attention(q, k, v, visible, scale).astype(q.dtype)
 
 
 def rope_paged_attention_reference(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
                                    slot_mapping: jax.Array, k_pages: jax.Array,
                                    v_pages: jax.Array, block_tables: jax.Array,
-                                   context_lens: jax.Array
+                                   context_lens: jax.Array, window: int | None = None
                                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`rope_paged_attention` unfused: rotate and write the new token (negative slots write
     nothing), then attend over the written pages -> (out, k_pages, v_pages)."""
@@ -61,4 +65,5 @@ def rope_paged_attention_reference(qkv: jax.Array, cos: jax.Array, sin: jax.Arra
     nb, bs = k_pages.shape[:2]
     dropped = jnp.where(slot_mapping < 0, nb * bs + 1, slot_mapping)   # out of range: dropped
     q, k_new, v_new = rope_kv_write_reference(qkv, cos, sin, dropped, k_pages, v_pages)
-    return paged_attention_reference(q, k_new, v_new, block_tables, context_lens), k_new, v_new
+    out = paged_attention_reference(q, k_new, v_new, block_tables, context_lens, window=window)
+    return out, k_new, v_new

@@ -25,6 +25,10 @@ Why it is shaped this way:
   `[block_q * group, d] x [d, block_k]`, tall enough for the tensor cores.
 - Two loops: key blocks entirely at or before the tile's first query need no mask; only the
   last one or two blocks (the causal diagonal) are masked.
+- Sliding windows (`window`): a query sees keys at positions > its own - window. A tile
+  starts at the key block of its first query's window, so blocks before it are never read
+  (the block table may hold the null block there); the blocks the window's edge cuts
+  through are masked like the diagonal.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ def _cdiv(a, b):
 
 def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_ref, k_ref,
                    v_ref, *refs, block_size: int, pages_per_compute_block: int, block_q: int,
-                   group: int, scale: float, quantized: bool):
+                   group: int, scale: float, quantized: bool, window: int | None = None):
     if quantized:
         ks_ref, vs_ref, o_ref = refs
     else:
@@ -91,18 +95,36 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
             page0 = kb * pages_per_compute_block
             slots = paging.token_slots(table_ref, seq, page0, block_k, block_size)
             k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            in_range = (k_pos < kv_end) if masked else None
+            in_range = None
+            if masked:   # keys no query of the tile may see are not even loaded
+                in_range = k_pos < kv_end
+                if window is not None:
+                    in_range &= k_pos > first_pos - window
             s = paging.key_logits(q, k_ref, ks_ref, slots, in_range, precision) * qk_scale
             if masked:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+                if window is not None:
+                    visible &= k_pos[None, :] > q_pos[:, None] - window
                 s = jnp.where(visible, s, -jnp.inf)
             # rows of the causal diagonal may see nothing yet: guard them
             return paging.softmax_step(carry, s, v_ref, vs_ref, slots, in_range, compute_dtype,
                                        precision, guard_empty_rows=True)
 
         init = paging.init_softmax_state(rows, head_dim)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
-        acc, _, l = lax.fori_loop(n_full, n_all, functools.partial(step, masked=True), carry)
+        first_block = unmasked_from = 0
+        if window is not None:
+            # Blocks before the first query's window are skipped; those before the last
+            # query's window starts are masked, the rest up to the diagonal are not.
+            last_pos = first_pos + n_tok - 1
+            first_block = jnp.maximum(first_pos - window + 1, 0) // block_k
+            unmasked_from = jnp.maximum(
+                first_block, jnp.minimum(_cdiv(jnp.maximum(last_pos - window + 1, 0), block_k),
+                                         n_full))
+            init = lax.fori_loop(first_block, unmasked_from, functools.partial(step, masked=True),
+                                 init)
+        carry = lax.fori_loop(unmasked_from, n_full, functools.partial(step, masked=False), init)
+        acc, _, l = lax.fori_loop(jnp.maximum(n_full, unmasked_from), n_all,
+                                  functools.partial(step, masked=True), carry)
 
         out = paging.normalize(acc, l)
         plgpu.store(o_ref.at[tok[:, None], head[:, None], cols], out.astype(o_ref.dtype),
@@ -133,7 +155,7 @@ def build_work_list(cu_q_lens: jax.Array, num_tokens: int, block_q: int
 
 def _ragged_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, context_lens, cu_q_lens, *,
                  block_size, num_kv_heads, block_q, pages_per_compute_block, scale, num_warps,
-                 num_stages, interpret):
+                 num_stages, interpret, window=None):
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     quantized = ks_tok is not None
@@ -161,7 +183,7 @@ def _ragged_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, context_lens, cu
         args += [ks_tok, vs_tok]
     kernel = functools.partial(
         _ragged_kernel, block_size=block_size, pages_per_compute_block=pages_per_compute_block,
-        block_q=block_q, group=group, scale=scale, quantized=quantized)
+        block_q=block_q, group=group, scale=scale, quantized=quantized, window=window)
     return pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads),
@@ -170,7 +192,8 @@ def _ragged_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, context_lens, cu
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paxkv_ragged_paged_bq{block_q}_bs{block_size}_ppcb{pages_per_compute_block}",
+        name=(f"paxkv_ragged_paged_bq{block_q}_bs{block_size}_ppcb{pages_per_compute_block}"
+              + ("" if window is None else f"_w{window}")),
     )(*args)
 
 
@@ -204,13 +227,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, k_
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_q", "pages_per_compute_block", "num_warps", "num_stages", "backend",
-    "warp_specialized", "interpret"))
+    "scale", "window", "block_q", "pages_per_compute_block", "num_warps", "num_stages",
+    "backend", "warp_specialized", "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array,
                            cu_q_lens: jax.Array, k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None, *, scale: float | None = None,
-                           block_q: int | None = None,
+                           window: int | None = None, block_q: int | None = None,
                            pages_per_compute_block: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None, backend: str = "auto",
                            warp_specialized: bool | None = None,
@@ -225,6 +248,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         write); cu_q_lens: int32 `[S + 1]`, `cu_q_lens[0] == 0`, nondecreasing.
       k_scale, v_scale: optional per-token scales `[num_blocks, block_size, kv_heads]`.
       scale: softmax scale (default `head_dim ** -0.5`).
+      window: sliding window: a query sees keys at positions > its own - window; key blocks
+        before a tile's first window are not read.
       block_q: query tokens per tile (default `128 // group` for Triton, `64 // group` for
         Mosaic GPU, whose tile is one 64-row wgmma; at least 1).
       pages_per_compute_block: pages per key block (default ~64 tokens for Triton, ~128 for
@@ -244,6 +269,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     head_dim, num_heads, num_kv_heads, block_size = _check_inputs(
         q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, k_scale, v_scale)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     group = num_heads // num_kv_heads
     if scale is None:
         scale = head_dim ** -0.5
@@ -256,7 +284,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         backend, interpret,
         lambda: tuning.prefill_backend(k_pages.dtype, block_tables.shape[0],
                                        block_tables.shape[1] * block_size),
-        lambda: mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret))
+        lambda: ("it has no sliding window" if window is not None else
+                 mosaic_prefill.unsupported(q, k_pages, k_scale, mosaic_ppcb, mosaic_bq, interpret)))
     if backend == "mosaic":
         return mosaic_prefill.prefill(
             q, k_pages, v_pages, block_tables, context_lens, cu_q_lens, scale=float(scale),
@@ -288,4 +317,4 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         q, to_tok(k_pages), to_tok(v_pages), to_tok(k_scale), to_tok(v_scale), block_tables,
         context_lens, cu_q_lens, block_size=block_size, num_kv_heads=num_kv_heads,
         block_q=bq, pages_per_compute_block=ppcb, scale=float(scale), num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret)
+        num_stages=num_stages, interpret=interpret, window=window)

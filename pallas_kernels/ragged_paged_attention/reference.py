@@ -11,7 +11,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      block_tables: jax.Array, context_lens: jax.Array,
                                      cu_q_lens: jax.Array, k_scale: jax.Array | None = None,
                                      v_scale: jax.Array | None = None, *,
-                                     scale: float | None = None) -> jax.Array:
+                                     scale: float | None = None,
+                                     window: int | None = None) -> jax.Array:
     """Same contract as `ragged_paged_attention` (rows past `cu_q_lens[-1]` are zeros)."""
     num_tokens, _, head_dim = q.shape
     block_size = k_pages.shape[1]
@@ -27,4 +28,6 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     v = gather_sequences(v_pages, v_scale, block_tables)[seq]
     key = jnp.arange(block_tables.shape[1] * block_size, dtype=jnp.int32)[None, :]
     visible = (key <= pos[:, None]) & (key < context_lens[seq][:, None]) & real[:, None]
+    if window is not None:
+        visible &= key > pos[:, None] - window
     return masked_attention(q, k, v, visible, scale).astype(q.dtype)

@@ -118,6 +118,20 @@ def replace_layer(layers: tuple, layer: int, new) -> tuple:
     return layers[:layer] + (new,) + layers[layer + 1:]
 
 
+def layer_of(pool: KVPool, layer: int) -> KVPool:
+    """A one-layer pool holding `layer`'s pages (and scales): what one layer's write and
+    attention read and return (`paxkv.model.attention`)."""
+    pick = lambda xs: None if xs is None else (xs[layer],)  # noqa: E731
+    return KVPool(pick(pool.k), pick(pool.v), pick(pool.k_scale), pick(pool.v_scale))
+
+
+def with_layer(pool: KVPool, layer: int, one: KVPool) -> KVPool:
+    """`pool` with layer `layer` replaced by the one-layer pool `one`."""
+    put = lambda xs, x: None if xs is None else replace_layer(xs, layer, x[0])  # noqa: E731
+    return KVPool(put(pool.k, one.k), put(pool.v, one.v), put(pool.k_scale, one.k_scale),
+                  put(pool.v_scale, one.v_scale))
+
+
 def write(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPool:
     """Functional write of one layer's new K/V (quantized on the way in when the pool is);
     returns the new pool."""

@@ -1,22 +1,40 @@
-"""Paged attention behind one interface, with interchangeable backends.
+"""The one door between the model and the attention kernels.
 
-`attend(q, k_pages, v_pages, batch, ...)` computes, for every new token of a ragged
-`StepBatch`, causal attention over its sequence's cached keys (which already include this
-step's K/V: the model writes before it attends). Backends:
+For every layer of a paged step, `PagedAttention` writes the new tokens' K/V into the pool
+and attends over the pages; this is the only module that decides how. Its decisions:
 
-- "reference": plain jnp gather through the block tables; the ground truth for tests.
-- "pallas": the Pallas GPU kernels in `pallas_kernels` (decode kernel when every sequence
-  has one new token, ragged kernel otherwise).
+- **Backend** (`AttentionPlan.backend`): "reference" is a plain jnp gather through the block
+  tables (`reference_attention`, the ground truth of the tests); "pallas" runs the Pallas
+  kernels of `pallas_kernels`.
+- **Fused layer kernels** (`AttentionPlan.fused`, Pallas on one device): the layer hands over
+  its packed, unrotated q/k/v heads (`layers.Attention.packed_qkv`); RoPE and the KV write
+  run as one kernel (`rope_kv_write`), and on decode steps of at most
+  `AttentionPlan.rope_decode_max_rows` rows inside the decode attention kernel itself
+  (`rope_paged_attention`). A decode kernel swapped in here must also take those steps, or
+  the plan must set `rope_decode_max_rows=0`: otherwise they never reach it.
+- **Kernel per step**: decode steps (one new token per sequence) take the decode kernel
+  (`paged_attention`, its Triton or Mosaic GPU form by `AttentionPlan.decode_backend`); any
+  other step (prefill, chunked prefill, mixed) the ragged kernel.
+- **Sliding windows**: a sliding layer (`ModelConfig.layer_window`) reads only keys at
+  positions > query - window; the kernels skip whole pages before the window.
+- **Tensor parallelism**: under a mesh each device writes and attends over its own KV heads
+  (`paxkv.parallel.attention.per_device`).
 
-"auto" is resolved with the runner's other settings (`config.runner_config`).
+The plan is chosen once, by `config.runner_config`, and travels as a static jit argument.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from paxkv.cache import kv_pool as kvp
+from paxkv.cache.kv_pool import KVPool
+from paxkv.config import AttentionPlan, ModelConfig
 from paxkv.model.batch import StepBatch
 
+__all__ = ["AttentionPlan", "PagedAttention", "reference_attention", "token_seq_ids"]
 
 def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     """Sequence index of each of the `num_tokens` ragged tokens (padding -> last row)."""
@@ -27,8 +45,10 @@ def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
 
 def reference_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
                         scale: float, k_scale: jax.Array | None = None,
-                        v_scale: jax.Array | None = None) -> jax.Array:
-    """q `[T, Hq, d]` -> `[T, Hq, d]`; gathers each sequence's pages, masks key pos > query pos."""
+                        v_scale: jax.Array | None = None,
+                        window: int | None = None) -> jax.Array:
+    """q `[T, Hq, d]` -> `[T, Hq, d]`; gathers each sequence's pages, masks keys after the
+    query (and, with `window`, at or before query - window)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_pages.shape
     g = hq // hkv
@@ -46,6 +66,8 @@ def reference_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ba
     key_pos = jnp.arange(mb * bs, dtype=jnp.int32)
     valid = (key_pos[None, :] <= batch.positions[:, None]) & (
         key_pos[None, :] < batch.context_lens[seq][:, None])
+    if window is not None:
+        valid &= key_pos[None, :] > batch.positions[:, None] - window
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -55,14 +77,112 @@ def reference_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ba
     return out.reshape(t, hq, d).astype(q.dtype)
 
 
-def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch, *,
-           scale: float, backend: str = "reference", decode_only: bool = False,
-           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
-    """Dispatch to a backend. `decode_only` (static) says every sequence has one new token."""
-    if backend == "reference":
-        return reference_attention(q, k_pages, v_pages, batch, scale, k_scale, v_scale)
-    if backend == "pallas":
-        from paxkv.model import pallas_backend  # GPU kernels; imported only when asked for
-        return pallas_backend.attend(q, k_pages, v_pages, batch, scale=scale,
-                                     decode_only=decode_only, k_scale=k_scale, v_scale=v_scale)
-    raise ValueError(f"unknown attention backend {backend!r}")
+class PagedAttention:
+    """A step's write + attention for every layer: `(layer, q, k, v, pool) -> (out, pool)`,
+    the `layers.AttentionFn` the paged forward hands the model. Built inside the jitted step,
+    once per step; `decode_only` (static) says every sequence has one new token."""
+
+    def __init__(self, cfg: ModelConfig, batch: StepBatch, plan: AttentionPlan,
+                 decode_only: bool = False, mesh: Any = None) -> None:
+        if plan.fused and mesh is not None:
+            raise ValueError("the fused layer kernels run on one device (AttentionPlan.fused "
+                             "with a mesh)")
+        self.cfg, self.batch, self.plan = cfg, batch, plan
+        self.decode_only, self.mesh = decode_only, mesh
+        self.interpret = jax.default_backend() != "gpu"
+        self.rope = None
+        if plan.fused:
+            from paxkv.model.rope import rope_tables
+            self.rope = rope_tables(batch.positions, cfg)
+
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array | None, v: jax.Array | None,
+                 pool: KVPool) -> tuple[jax.Array, KVPool]:
+        one = kvp.layer_of(pool, layer)
+        if self.mesh is None:
+            out, one = self.layer(layer, q, k, v, one, self.batch)
+        else:
+            from paxkv.parallel.attention import per_device
+            out, one = per_device(lambda *a: self.layer(layer, *a), self.mesh, one.quantized)(
+                q, k, v, one, self.batch)
+        return out, kvp.with_layer(pool, layer, one)
+
+    def layer(self, layer: int, q: jax.Array, k: jax.Array | None, v: jax.Array | None,
+              one: KVPool, batch: StepBatch) -> tuple[jax.Array, KVPool]:
+        """Layer `layer`'s write and attention over `one`, a pool of that layer alone (under
+        tensor parallelism: this device's heads of it)."""
+        window = self.cfg.layer_window(layer)
+        if self.plan.fused:    # q holds the packed, unrotated q/k/v heads
+            cos, sin = self.rope[self.cfg.layer_rope(layer)]
+            if self.fuses_rope_decode(q, one, batch):
+                from pallas_kernels.paged_attention import rope_paged_attention
+                out, nk, nv = rope_paged_attention(
+                    q, cos, sin, batch.slot_mapping, one.k[0], one.v[0], batch.block_tables,
+                    batch.context_lens, scale=self.cfg.attention_scale, window=window,
+                    interpret=self.interpret)
+                return out, one._replace(k=(nk,), v=(nv,))
+            q, one = self._rotate_and_write(q, cos, sin, one, batch.slot_mapping)
+        else:
+            one = kvp.write(one, 0, k, v, batch.slot_mapping)
+        return self.attend(q, one, batch, window), one
+
+    def fuses_rope_decode(self, qkv: jax.Array, one: KVPool, batch: StepBatch) -> bool:
+        """Whether RoPE and the KV write run inside the decode kernel: the runner's decode
+        layout (token s is sequence s's new token) of at most `rope_decode_max_rows` rows,
+        unquantized pages, heads as the RoPE kernel takes them."""
+        from pallas_kernels.layer_ops.rope_kv_write import supported
+        kv_heads = one.k[0].shape[2]
+        return (self.decode_only and not one.quantized
+                and qkv.shape[0] == batch.context_lens.shape[0]
+                and qkv.shape[0] <= self.plan.rope_decode_max_rows
+                and supported(qkv.shape[1] - 2 * kv_heads, kv_heads, qkv.shape[2]))
+
+    def _rotate_and_write(self, qkv: jax.Array, cos: jax.Array, sin: jax.Array, one: KVPool,
+                          slot_mapping: jax.Array) -> tuple[jax.Array, KVPool]:
+        """RoPE on the packed heads `[T, Hq + 2 Hkv, d]`, k and v into the pages -> (rotated
+        q, pool): one kernel for plain pages (`rope_kv_write`), else jnp and the pool's write."""
+        from pallas_kernels.layer_ops import rope_kv_write
+        from pallas_kernels.layer_ops.rope_kv_write import split_heads, supported
+        from paxkv.model.rope import apply_rope
+        kv_heads = one.k[0].shape[2]
+        q_heads = qkv.shape[-2] - 2 * kv_heads
+        if not one.quantized and supported(q_heads, kv_heads, qkv.shape[-1]):
+            q, nk, nv = rope_kv_write(qkv, cos, sin, slot_mapping, one.k[0], one.v[0],
+                                      interpret=self.interpret)
+            return q, one._replace(k=(nk,), v=(nv,))
+        q, k, v = split_heads(qkv, kv_heads)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, kvp.write(one, 0, k, v, slot_mapping)
+
+    def attend(self, q: jax.Array, one: KVPool, batch: StepBatch,
+               window: int | None = None) -> jax.Array:
+        """q `[T, Hq, d]` (rotated) over a one-layer pool's pages, already written ->
+        `[T, Hq, d]`: the step's kernel (or the reference), without the write."""
+        k_pages, v_pages = one.k[0], one.v[0]
+        k_scale = None if one.k_scale is None else one.k_scale[0]
+        v_scale = None if one.v_scale is None else one.v_scale[0]
+        scale = self.cfg.attention_scale
+        if self.plan.backend == "reference":
+            return reference_attention(q, k_pages, v_pages, batch, scale, k_scale, v_scale, window)
+        from pallas_kernels.paged_attention import paged_attention
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        num_tokens = q.shape[0]
+        if not self.decode_only:
+            return ragged_paged_attention(q, k_pages, v_pages, batch.block_tables,
+                                          batch.context_lens, batch.cu_q_lens, k_scale, v_scale,
+                                          scale=scale, window=window, interpret=self.interpret)
+
+        def decode(rows_q: jax.Array) -> jax.Array:
+            return paged_attention(rows_q, k_pages, v_pages, batch.block_tables,
+                                   batch.context_lens, k_scale, v_scale, scale=scale,
+                                   window=window, backend=self.plan.decode_backend,
+                                   interpret=self.interpret)
+
+        if num_tokens == batch.context_lens.shape[0]:
+            # The runner's decode layout: token s is sequence s's new token (padding rows have
+            # context 0, so the kernel writes zeros for them). No gathers: they were two extra
+            # launches per layer.
+            return decode(q)
+        # One query row per sequence (padding sequences read some row; their context is 0,
+        # so the kernel writes zeros for them), then back to token order.
+        rows = jnp.clip(batch.cu_q_lens[:-1], 0, num_tokens - 1)
+        return decode(q[rows])[token_seq_ids(batch.cu_q_lens, num_tokens)]

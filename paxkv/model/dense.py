@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
-from paxkv.model.layers import Llama, params_dtype
+from paxkv.model.layers import DecoderLM, params_dtype
 
 
 class DenseCache(NamedTuple):
@@ -45,8 +45,9 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                      k_pos: jax.Array, scale: float) -> jax.Array:
-    """GQA attention, queries see keys with `k_pos <= q_pos`; fp32 scores and softmax.
+                      k_pos: jax.Array, scale: float, window: int | None = None) -> jax.Array:
+    """GQA attention, queries see keys with `k_pos <= q_pos` (and, with `window`,
+    `k_pos > q_pos - window`); fp32 scores and softmax.
 
     q `[B, Tq, Hq, d]`, k/v `[B, Tk, Hkv, d]`, q_pos `[B, Tq]`, k_pos `[Tk]` -> `[B, Tq, Hq, d]`.
     """
@@ -56,6 +57,8 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(q.dtype),
                         preferred_element_type=jnp.float32) * scale
     visible = k_pos[None, None, :] <= q_pos[:, :, None]               # [B, Tq, Tk]
+    if window is not None:
+        visible &= k_pos[None, None, :] > q_pos[:, :, None] - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # Probabilities stay float32 (as in the paged reference attention), so the dense path is
@@ -82,12 +85,12 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
         raise ValueError(f"dense_forward: token_ids must be [batch, seq], got shape {token_ids.shape}")
     b, t = token_ids.shape
     positions = _positions(start_pos, b, t)
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.attention_scale
 
     def no_cache(layer: int, q, k, v, state):
         # Causal among the given tokens: offsets within the chunk, the same for every row.
         rel = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return grouped_attention(q, k, v, rel, rel[0], scale), state
+        return grouped_attention(q, k, v, rel, rel[0], scale, cfg.layer_window(layer)), state
 
     def with_cache(layer: int, q, k, v, state: DenseCache):
         rows = jnp.arange(b)[:, None]
@@ -96,7 +99,8 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
         state = DenseCache(state.k[:layer] + (ck,) + state.k[layer + 1:],
                            state.v[:layer] + (cv,) + state.v[layer + 1:])
         k_pos = jnp.arange(ck.shape[1], dtype=jnp.int32)
-        return grouped_attention(q, ck, cv, positions, k_pos, scale), state
+        return grouped_attention(q, ck, cv, positions, k_pos, scale,
+                                 cfg.layer_window(layer)), state
 
     if cache is None:
         attention = no_cache
@@ -105,7 +109,7 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
             raise ValueError(f"dense_forward: cache has {len(cache.k)} layers, "
                              f"cfg.num_layers={cfg.num_layers}")
         attention = with_cache
-    model = Llama(cfg, params_dtype(params))
+    model = DecoderLM(cfg, params_dtype(params))
     return model.apply({"params": params}, token_ids, positions, attention, cache)
 
 

@@ -9,6 +9,7 @@ each layer two wide matmuls and no per-step copies.
 
 Layout (per layer, replacing the separate kernels):
     self_attn/qkv_proj/kernel   [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
+    self_attn/qkv_proj/bias     [(num_heads + 2 * num_kv_heads) * head_dim]   (Qwen2's biases)
     mlp/gate_up_proj/kernel     [hidden, 2 * intermediate_size]
 The network in `layers.py` accepts either layout; checkpoint export (`weights.hf_tensors`)
 reads either.
@@ -16,6 +17,7 @@ reads either.
 Tensor-parallel engines serve from the grouped layout (`group_projections`): the same fused
 kernels with a group axis in the middle, one group per KV head,
     self_attn/qkv_proj/kernel   [hidden, num_kv_heads, (q_per_kv + 2) * head_dim]
+    self_attn/qkv_proj/bias     [num_kv_heads, (q_per_kv + 2) * head_dim]
     mlp/gate_up_proj/kernel     [hidden, num_kv_heads, 2 * intermediate_size / num_kv_heads]
 where group g holds, in order, its slice of every projection (its q heads, its k and v
 head; its chunk of gate and of up columns). A plain column split of the 2-D fused kernel
@@ -53,6 +55,14 @@ def is_grouped(params: Params) -> bool:
     return is_fused(params) and params["layers_0"]["self_attn"]["qkv_proj"]["kernel"].ndim == 3
 
 
+def fused_leaves(block: Params, fused_name: str) -> tuple[str, ...]:
+    """The leaves a fused projection has in `block` (one layer's "self_attn" or "mlp"), in
+    either layout: ("kernel",) or, where the projections carry biases, ("kernel", "bias")."""
+    parts = FUSED[fused_name][1]
+    held = block.get(fused_name) or block.get(parts[0]) or {}
+    return ("kernel", "bias") if "bias" in held else ("kernel",)
+
+
 def part_widths(cfg: ModelConfig, fused_name: str) -> tuple[int, ...]:
     """Output width of each separate projection a fused kernel replaces, in column order."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -69,40 +79,43 @@ def fuse_projections(params: Params) -> Params:
     """
     if is_fused(params):
         return params
-    return with_fused_kernels(params, lambda layer, block, parts: _concat(
-        [layer[block][p]["kernel"] for p in parts]))
+    return with_fused_kernels(params, lambda layer, block, parts, leaf: _concat(
+        [layer[block][p][leaf] for p in parts]))
 
 
 def with_fused_kernels(params: Params, make: Any) -> Params:
-    """A new tree whose layers hold, per fused kernel, `make(layer, block, parts)` in place of
-    the separate kernels (and of any fused kernel already there)."""
+    """A new tree whose layers hold, per fused projection and leaf ("kernel", and "bias"
+    where the projections have biases), `make(layer, block, parts, leaf)` in place of the
+    separate projections (and of any fused one already there)."""
     out = dict(params)
     for name, layer in params.items():
         if not name.startswith("layers_"):
             continue
         layer = dict(layer)
         for fused_name, (block, parts) in FUSED.items():
+            leaves = fused_leaves(layer[block], fused_name)
             sub = {k: v for k, v in layer[block].items() if k not in parts and k != fused_name}
-            sub[fused_name] = {"kernel": make(layer, block, parts)}
+            sub[fused_name] = {leaf: make(layer, block, parts, leaf) for leaf in leaves}
             layer[block] = sub
         out[name] = layer
     return out
 
 
 @jax.jit
-def _concat(kernels: list[jax.Array]) -> jax.Array:
-    return jnp.concatenate(kernels, axis=1)
+def _concat(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.concatenate(arrays, axis=-1)
 
 
-def group_kernel(kernels: list[jax.Array], groups: int) -> jax.Array:
-    """Separate `[in, w_i]` kernels -> one grouped `[in, groups, sum(w_i) / groups]` kernel:
-    group g holds columns `[g * w_i / groups, (g + 1) * w_i / groups)` of every kernel i."""
+def group_kernel(arrays: list[jax.Array], groups: int) -> jax.Array:
+    """Separate `[in, w_i]` kernels (or `[w_i]` biases) -> one grouped `[in, groups,
+    sum(w_i) / groups]` kernel (`[groups, sum(w_i) / groups]` bias): group g holds columns
+    `[g * w_i / groups, (g + 1) * w_i / groups)` of every array i."""
     parts = []
-    for k in kernels:
-        if k.shape[1] % groups:
-            raise ValueError(f"a kernel of width {k.shape[1]} does not split into {groups} groups")
-        parts.append(k.reshape(k.shape[0], groups, k.shape[1] // groups))
-    return jnp.concatenate(parts, axis=2)
+    for k in arrays:
+        if k.shape[-1] % groups:
+            raise ValueError(f"a projection of width {k.shape[-1]} does not split into {groups} groups")
+        parts.append(k.reshape(*k.shape[:-1], groups, k.shape[-1] // groups))
+    return jnp.concatenate(parts, axis=-1)
 
 
 def group_projections(params: Params, cfg: ModelConfig) -> Params:
@@ -112,30 +125,33 @@ def group_projections(params: Params, cfg: ModelConfig) -> Params:
     under jit with the target shardings, so no device holds a whole kernel)."""
     if is_grouped(params):
         return params
-    return with_fused_kernels(params, lambda layer, block, parts: _group(
-        [projection(layer, block, p, cfg) for p in parts], cfg.num_kv_heads))
+    return with_fused_kernels(params, lambda layer, block, parts, leaf: _group(
+        [projection(layer, block, p, cfg, leaf) for p in parts], cfg.num_kv_heads))
 
 
 _group = jax.jit(group_kernel, static_argnums=(1,))
 
 
-def projection(layer: Params, block: str, part: str, cfg: ModelConfig) -> jax.Array:
-    """The `[in, out]` kernel of one separate projection (`block` "self_attn" or "mlp"),
-    from any layout; in a fused layout it is sliced out of the fused kernel."""
+def projection(layer: Params, block: str, part: str, cfg: ModelConfig,
+               leaf: str = "kernel") -> jax.Array:
+    """The `[in, out]` kernel (`leaf` "kernel") or `[out]` bias ("bias") of one separate
+    projection (`block` "self_attn" or "mlp"), from any layout; in a fused layout it is
+    sliced out of the fused one."""
     sub = layer[block]
     if part in sub:
-        return sub[part]["kernel"]
+        return sub[part][leaf]
     fused_name = next(f for f, (b, parts) in FUSED.items() if b == block and part in parts)
     i = FUSED[fused_name][1].index(part)
     widths = part_widths(cfg, fused_name)
-    kernel = sub[fused_name]["kernel"]
-    if kernel.ndim == 3:   # grouped: this part's slice of every group, groups in order
-        groups = kernel.shape[1]
+    x = sub[fused_name][leaf]
+    lead = x.shape[:-2] if leaf == "kernel" and x.ndim == 3 or leaf == "bias" and x.ndim == 2 else None
+    if lead is not None:   # grouped: this part's slice of every group, groups in order
+        groups = x.shape[-2]
         per_group = [w // groups for w in widths]
         start = sum(per_group[:i])
-        return kernel[:, :, start:start + per_group[i]].reshape(kernel.shape[0], widths[i])
+        return x[..., start:start + per_group[i]].reshape(*lead, widths[i])
     start = sum(widths[:i])
-    return kernel[:, start:start + widths[i]]
+    return x[..., start:start + widths[i]]
 
 
 def split_columns(x: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:

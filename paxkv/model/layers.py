@@ -1,11 +1,19 @@
-"""The Llama-3 decoder as Flax Linen modules, shared by the paged and the dense forward.
+"""The decoder as Flax Linen modules, shared by every family and by the paged and dense forward.
 
-The modules know nothing about KV caches. Each attention layer hands its rotated
-`q, k, v` to an `AttentionFn` supplied by the caller together with an opaque cache state
-(a `KVPool` for the paged engine, a contiguous cache for the dense reference, nothing for
-training); the function returns the attention output and the new state. That keeps one
-definition of the network for every path, so the paged engine and its dense reference
-cannot drift apart.
+The modules know nothing about KV caches. Each attention layer hands its `q, k, v` to an
+`AttentionFn` supplied by the caller together with an opaque cache state (a `KVPool` for
+the paged engine, a contiguous cache for the dense reference, nothing for training); the
+function returns the attention output and the new state. That keeps one definition of the
+network for every path, so the paged engine and its dense reference cannot drift apart.
+Which window, scale and RoPE a layer's attention uses is the config's to say
+(`ModelConfig.layer_window`, `attention_scale`, `layer_rope`), so the function reads them
+from the config and the layer index it is given.
+
+The pieces here (norms, projections with their fused layouts, attention projections, the
+gated MLP, the Llama-shaped `DecoderLayer` and the `DecoderLM` around the layers) are what a
+family is built from: a family module (`paxkv/model/families/`) names its layer class, which
+is `DecoderLayer` for Llama, Qwen2, Qwen3 and Mistral, and its own arrangement of these
+pieces for Gemma 3.
 
 Layers are unrolled in Python (no `nn.scan`): the KV pool is a tuple of per-layer pages,
 and unrolling lets XLA update each layer's pages in place when the pool is donated.
@@ -13,8 +21,9 @@ and unrolling lets XLA update each layer's pages in place when the pool is donat
 Parameter tree (the Linen "params" collection; names follow the HF checkpoint):
     embed_tokens/embedding              [vocab, hidden]
     layers_{i}/input_layernorm/scale    [hidden]
-    layers_{i}/self_attn/{q,k,v,o}_proj/kernel   [in, out]
-    layers_{i}/post_attention_layernorm/scale    [hidden]
+    layers_{i}/self_attn/{q,k,v,o}_proj/kernel   [in, out]   (and /bias where the family has it)
+    layers_{i}/self_attn/{q,k}_norm/scale        [head_dim]  (families with q/k norms)
+    layers_{i}/post_attention_layernorm/scale    [hidden]    (and a family's other norms)
     layers_{i}/mlp/{gate,up,down}_proj/kernel    [in, out]
     norm/scale                          [hidden]
     lm_head/kernel                      [hidden, vocab]   (absent when embeddings are tied)
@@ -31,10 +40,12 @@ import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
-from paxkv.model.rope import apply_rope, cos_sin
+from paxkv.model.rope import RopeKey, apply_rope, rope_tables
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# cos and sin per distinct RoPE (`rope.rope_tables`): a layer takes `tables[cfg.layer_rope(i)]`.
+RopeTables = dict[RopeKey, tuple[jax.Array, jax.Array]]
 
 INIT_STD = 0.02  # the usual Llama initializer range
 
@@ -43,100 +54,132 @@ class AddRMSNorm(nn.Module):
     """The residual add and the RMSNorm after it: `(x + residual, norm(x + residual))`.
 
     The norm is computed in float32 whatever the activation dtype, on the sum rounded to
-    the activation dtype; `residual` None means no add (the first layer's input). With
-    `fused` the pair is one Pallas kernel (`pallas_kernels.layer_ops.add_rms_norm`).
+    the activation dtype; `residual` None means no add (a plain norm). `unit_offset`: the
+    gain is `1 + scale` (Gemma). With `fused` the pair is one Pallas kernel
+    (`pallas_kernels.layer_ops.add_rms_norm`).
     """
 
     eps: float
     dtype: Any = jnp.float32
     fused: bool = False
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         if self.fused:
             from pallas_kernels.layer_ops import add_rms_norm
             from pallas_kernels.layer_ops.add_rms_norm import supported
             if supported(x.shape[-1]):
-                return add_rms_norm(x, residual, scale, eps=self.eps,
+                return add_rms_norm(x, residual, scale, eps=self.eps, unit_offset=self.unit_offset,
                                     interpret=jax.default_backend() != "gpu")
         total = x if residual is None else x + residual
         xf = total.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return total, (xf * scale.astype(jnp.float32)).astype(self.dtype)
+        gain = scale.astype(jnp.float32)
+        if self.unit_offset:
+            gain = gain + 1.0
+        return total, (xf * gain).astype(self.dtype)
 
 
-def _linear(features: int, name: str, dtype: Any) -> nn.Dense:
-    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
+def rms_norm(module_name: str, cfg: ModelConfig, dtype: Any, fused: bool = False) -> AddRMSNorm:
+    """The config's RMSNorm (its epsilon, its gain convention) named `module_name`."""
+    return AddRMSNorm(cfg.rms_norm_eps, dtype, fused, cfg.norm_unit_offset, name=module_name)
+
+
+def _linear(features: int, name: str, dtype: Any, bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
                     kernel_init=nn.initializers.normal(INIT_STD))
 
 
+def _fused_matmul(module: nn.Module, x: jax.Array, fused_name: str, dtype: Any) -> jax.Array | None:
+    """`x` through the fused projection `fused_name` when the parameters hold it (the serving
+    layout, 2-D or grouped 3-D, with its bias when it has one), else None."""
+    if module.is_initializing() or not module.has_variable("params", fused_name):
+        return None
+    weights = module.get_variable("params", fused_name)
+    kernel = weights["kernel"]
+    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                            (((x.ndim - 1,), (0,)), ((), ())))
+    if "bias" in weights:
+        y = y + weights["bias"].astype(dtype)
+    return y
+
+
 def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: ModelConfig,
-                       dtype: Any) -> tuple[jax.Array, ...]:
+                       dtype: Any, bias: bool = False) -> tuple[jax.Array, ...]:
     """The outputs of the projections that all read `x` and that `fusion.FUSED[fused_name]`
     names: one matmul when the parameters are in the serving layout, else one `nn.Dense`
-    each."""
+    each (`bias`: the separate projections carry biases)."""
     widths = part_widths(cfg, fused_name)
-    if not module.is_initializing() and module.has_variable("params", fused_name):
-        kernel = module.get_variable("params", fused_name)["kernel"]
-        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
-                                (((x.ndim - 1,), (0,)), ((), ())))
-        if kernel.ndim == 3:   # the grouped (tensor-parallel) layout of fusion.py
+    y = _fused_matmul(module, x, fused_name, dtype)
+    if y is not None:
+        if y.ndim == x.ndim + 1:   # the grouped (tensor-parallel) layout of fusion.py
             return split_groups(y, widths)
         return split_columns(y, widths)
-    return tuple(_linear(w, n, dtype)(x) for w, n in zip(widths, FUSED[fused_name][1]))
-
-
-def _packed_qkv_heads(module: nn.Module, x: jax.Array, cfg: ModelConfig, dtype: Any) -> jax.Array:
-    """The q/k/v projections of `x` as one `[..., Hq + 2 Hkv, d]` array (q, k, v heads): in
-    the 2-D fused layout that is the fused matmul's output itself, else a concatenation."""
-    lead = x.shape[:-1]
-    heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    if not module.is_initializing() and module.has_variable("params", "qkv_proj"):
-        kernel = module.get_variable("params", "qkv_proj")["kernel"]
-        if kernel.ndim == 2:
-            y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
-                                    (((x.ndim - 1,), (0,)), ((), ())))
-            return y.reshape(*lead, heads, cfg.head_dim)
-    q, k, v = _fused_projections(module, x, "qkv_proj", cfg, dtype)
-    return jnp.concatenate([q.reshape(*lead, cfg.num_heads, cfg.head_dim),
-                            k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
-                            v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)], axis=-2)
+    return tuple(_linear(w, n, dtype, bias)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention projections and RoPE around a caller-given core.
+    """Grouped-query self-attention projections (with the family's biases and q/k norms) and
+    RoPE around a caller-given core.
 
     With `packed_qkv` the core receives the q/k/v projection's output as it comes out of the
     fused matmul, unrotated and unsplit: `[..., Hq + 2 Hkv, d]` (q heads, k heads, v heads)
     as `q`, and None as k and v; it rotates and splits them itself (the paged engine's fused
-    RoPE + KV-write kernel reads its heads from that one buffer)."""
+    RoPE + KV-write kernel reads its heads from that one buffer). Q/k norms, where the family
+    has them, are applied to the packed heads first."""
 
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
     packed_qkv: bool = False
 
+    def _packed(self, x: jax.Array) -> jax.Array | None:
+        """The packed `[..., Hq + 2 Hkv, d]` heads straight from the 2-D fused matmul."""
+        y = _fused_matmul(self, x, "qkv_proj", self.dtype)
+        if y is None or y.ndim != x.ndim:
+            return None
+        c = self.cfg
+        return y.reshape(*x.shape[:-1], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 attention: AttentionFn, state: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, rope: RopeTables, attention: AttentionFn,
+                 state: Any) -> tuple[jax.Array, Any]:
         c = self.cfg
         lead = x.shape[:-1]
-        if self.packed_qkv:
-            out, state = attention(self.layer, _packed_qkv_heads(self, x, c, self.dtype), None,
-                                   None, state)
+        qkv = self._packed(x) if self.packed_qkv else None
+        if qkv is not None:
+            q, k, v = jnp.split(qkv, [c.num_heads, c.num_heads + c.num_kv_heads], axis=-2)
         else:
-            q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype)
-            q = apply_rope(q.reshape(*lead, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
+            q, k, v = _fused_projections(self, x, "qkv_proj", c, self.dtype, c.qkv_bias)
+            q = q.reshape(*lead, c.num_heads, c.head_dim)
+            k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
             v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
-            out, state = attention(self.layer, q, k, v, state)
+        if c.qk_norm:
+            q = rms_norm("q_norm", c, self.dtype)(q, None)[1]
+            k = rms_norm("k_norm", c, self.dtype)(k, None)[1]
+        if self.packed_qkv:
+            if qkv is None or c.qk_norm:
+                qkv = jnp.concatenate([q, k, v], axis=-2)
+            out, state = attention(self.layer, qkv, None, None, state)
+        else:
+            cos, sin = rope[c.layer_rope(self.layer)]
+            out, state = attention(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin),
+                                   v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
-        return _linear(c.hidden_size, "o_proj", self.dtype)(out), state
+        return _linear(c.hidden_size, "o_proj", self.dtype, c.o_bias)(out), state
+
+
+def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return nn.silu
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """The gated MLP: down(act(gate(x)) * up(x)); SwiGLU or GeGLU by `cfg.hidden_act`."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
@@ -145,11 +188,12 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        return _linear(c.hidden_size, "down_proj", self.dtype)(nn.silu(gate) * up)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(_activation(c.hidden_act)(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """One layer, its last residual add deferred: `(x, residual)` -> `(mlp_out, residual')`.
+    """One pre-norm layer (Llama, Qwen2, Qwen3, Mistral), its last residual add deferred:
+    `(x, residual)` -> `(mlp_out, residual')`.
 
     The residual stream entering the layer is `x + residual` (`residual` None at layer 0,
     where x is the embeddings); the stream leaving it is `mlp_out + residual'`. Deferring
@@ -163,15 +207,13 @@ class DecoderLayer(nn.Module):
     fused: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None, cos: jax.Array, sin: jax.Array,
+    def __call__(self, x: jax.Array, residual: jax.Array | None, rope: RopeTables,
                  attention: AttentionFn, state: Any) -> tuple[jax.Array, jax.Array, Any]:
         c = self.cfg
-        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
-                                 name="input_layernorm")(x, residual)
+        residual, h = rms_norm("input_layernorm", c, self.dtype, self.fused)(x, residual)
         h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
-                             name="self_attn")(h, cos, sin, attention, state)
-        residual, h = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused,
-                                 name="post_attention_layernorm")(h, residual)
+                             name="self_attn")(h, rope, attention, state)
+        residual, h = rms_norm("post_attention_layernorm", c, self.dtype, self.fused)(h, residual)
         return MLP(c, self.dtype, name="mlp")(h), residual, state
 
 
@@ -189,8 +231,15 @@ class LMHead(nn.Module):
                           preferred_element_type=jnp.float32)
 
 
-class Llama(nn.Module):
-    """Token ids (any leading shape) -> logits float32, threading a cache state through.
+def decoder_layer_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The layer class of `cfg`'s family (`paxkv/model/registry.py`)."""
+    from paxkv.model.registry import family_of
+    return family_of(cfg).decoder_layer()
+
+
+class DecoderLM(nn.Module):
+    """Token ids (any leading shape) -> logits float32, threading a cache state through; the
+    layers are the family's (`decoder_layer_class`).
 
     `logits_at`, when given, is an integer index array into the flattened leading dims:
     only those rows go through the final norm and the LM head (the engine needs one row per
@@ -218,6 +267,8 @@ class Llama(nn.Module):
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=nn.initializers.normal(INIT_STD), name="embed_tokens")
         x = embed(token_ids)
+        if c.embedding_multiplier != 1.0:   # in the compute dtype, as transformers' Gemma
+            x = x * jnp.asarray(c.embedding_multiplier, self.dtype)
         taken: dict[int, jax.Array] = {}
 
         def take(layer: int, h: jax.Array, at: jax.Array | None) -> None:
@@ -226,14 +277,15 @@ class Llama(nn.Module):
                 taken[layer] = (flat if at is None else flat[at]).astype(jnp.float32)
 
         take(0, x, hidden_at)
-        cos, sin = cos_sin(positions, c)
+        rope = rope_tables(positions, c)
+        layer_class = decoder_layer_class(c)
         residual = None
         for i in range(c.num_layers):
-            x, residual, state = DecoderLayer(c, i, self.dtype, self.fused, name=f"layers_{i}")(
-                x, residual, cos, sin, attention, state)
+            x, residual, state = layer_class(c, i, self.dtype, self.fused, name=f"layers_{i}")(
+                x, residual, rope, attention, state)
             if i + 1 < c.num_layers and i + 1 in hidden_layers:
                 take(i + 1, x + residual, hidden_at)
-        final = AddRMSNorm(c.rms_norm_eps, self.dtype, self.fused, name="norm")
+        final = rms_norm("norm", c, self.dtype, self.fused)
 
         def rows(a: jax.Array, at: jax.Array) -> jax.Array:
             return a.reshape(-1, c.hidden_size)[at]
@@ -248,9 +300,13 @@ class Llama(nn.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
+        logits = logits.astype(jnp.float32)
+        if c.final_logit_softcapping:
+            cap = c.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
         if hidden_layers:
-            return logits.astype(jnp.float32), state, jnp.stack([taken[i] for i in hidden_layers], 1)
-        return logits.astype(jnp.float32), state
+            return logits, state, jnp.stack([taken[i] for i in hidden_layers], 1)
+        return logits, state
 
 
 def params_dtype(params: Any) -> Any:

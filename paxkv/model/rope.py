@@ -1,5 +1,8 @@
 """Rotary position embeddings, with Llama-3.1's "llama3" frequency scaling.
 
+Each layer's base and scaling come from `ModelConfig.layer_rope` (Gemma 3's sliding layers
+have a base of their own; its global layers a "linear" scaling).
+
 Convention: the "rotate half" layout of Hugging Face checkpoints. The head dimension is split
 into two halves `(x1, x2)` and rotated as `(x1 cos - x2 sin, x2 cos + x1 sin)`, frequency `i`
 acting on the pair `(i, i + d/2)`. HF's Llama weights are stored permuted for this layout, so
@@ -35,21 +38,41 @@ def llama3_scale_inv_freq(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndar
     return np.where(in_band, blended, out).astype(np.float32)
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """`[head_dim // 2]` float32 inverse frequencies (a compile-time constant)."""
-    d = cfg.head_dim
+RopeKey = tuple[float, RopeScaling | None]   # (base, scaling): what one layer's tables depend on
+
+
+def inverse_frequencies(cfg: ModelConfig, layer: int = 0) -> np.ndarray:
+    """`[head_dim // 2]` float32 inverse frequencies of `layer`'s RoPE (a compile-time constant)."""
+    return _inverse_frequencies(cfg.head_dim, *cfg.layer_rope(layer))
+
+
+def _inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    d = head_dim
     exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
-    if cfg.rope_scaling is not None:
-        inv_freq = llama3_scale_inv_freq(inv_freq, cfg.rope_scaling)
-    return inv_freq
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    return llama3_scale_inv_freq(inv_freq, scaling)
 
 
-def cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of shape `positions.shape + (head_dim // 2,)`, float32."""
-    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+def cos_sin(positions: jax.Array, cfg: ModelConfig, layer: int = 0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of `layer`'s RoPE, shape `positions.shape + (head_dim // 2,)`, float32."""
+    inv_freq = jnp.asarray(inverse_frequencies(cfg, layer))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> dict[RopeKey, tuple[jax.Array, jax.Array]]:
+    """cos and sin of every distinct RoPE the layers use, keyed by `cfg.layer_rope(layer)`
+    (one entry for most families; Gemma 3's sliding layers have their own base)."""
+    tables: dict[RopeKey, tuple[jax.Array, jax.Array]] = {}
+    for layer in range(cfg.num_layers):
+        key = cfg.layer_rope(layer)
+        if key not in tables:
+            tables[key] = cos_sin(positions, cfg, layer)
+    return tables
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

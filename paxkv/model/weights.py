@@ -1,4 +1,8 @@
-"""Hugging Face Llama checkpoints <-> paxkv parameter trees.
+"""Hugging Face checkpoints of every family <-> paxkv parameter trees.
+
+Which tensors a checkpoint holds and where each goes in the tree is the family's to say
+(`tensor_specs`, from the module `paxkv/model/registry.py` names); this module reads, checks
+and writes them.
 
 Loading streams the checkpoint one tensor at a time: each tensor is read from its
 `.safetensors` file into a fresh host buffer, put on the device, transposed / cast there, and
@@ -18,7 +22,7 @@ import json
 import math
 import os
 import struct
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +30,10 @@ import ml_dtypes
 import numpy as np
 
 from paxkv.config import ModelConfig, from_hf_config
+from paxkv.model.families.base import TensorSpec
 from paxkv.model.fusion import FUSED_PARTS, projection
-from paxkv.model.llama import init_params
+from paxkv.model.params import init_params
+from paxkv.model.registry import family_of
 
 Params = Any
 
@@ -38,44 +44,17 @@ _SAFETENSORS_DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
 }
 _TARGET_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-# Tensors some checkpoints carry that a Llama forward does not need (recomputed RoPE tables).
+# Tensors some checkpoints carry that the forward does not need (recomputed RoPE tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One HF tensor and where it lives in the parameter tree."""
-
-    hf_name: str
-    path: tuple[str, ...]          # keys into the params dict
-    hf_shape: tuple[int, ...]      # as stored by HF ([out, in] for linear layers)
-    transpose: bool                # HF linear weights are [out, in]; Linen kernels are [in, out]
+__all__ = ["TensorSpec", "tensor_specs", "checkpoint_config", "open_checkpoint", "load_checkpoint",
+           "load_tensors", "random_params",
+           "hf_config_dict", "hf_tensors", "save_checkpoint", "write_safetensors"]
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every tensor a Llama checkpoint of this config must hold, in HF naming."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    specs = [TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"),
-                        (cfg.vocab_size, h), False)]
-    for layer in range(cfg.num_layers):
-        pre, key = f"model.layers.{layer}.", f"layers_{layer}"
-        specs += [
-            TensorSpec(pre + "input_layernorm.weight", (key, "input_layernorm", "scale"), (h,), False),
-            TensorSpec(pre + "self_attn.q_proj.weight", (key, "self_attn", "q_proj", "kernel"), (q, h), True),
-            TensorSpec(pre + "self_attn.k_proj.weight", (key, "self_attn", "k_proj", "kernel"), (kv, h), True),
-            TensorSpec(pre + "self_attn.v_proj.weight", (key, "self_attn", "v_proj", "kernel"), (kv, h), True),
-            TensorSpec(pre + "self_attn.o_proj.weight", (key, "self_attn", "o_proj", "kernel"), (h, q), True),
-            TensorSpec(pre + "post_attention_layernorm.weight",
-                       (key, "post_attention_layernorm", "scale"), (h,), False),
-            TensorSpec(pre + "mlp.gate_proj.weight", (key, "mlp", "gate_proj", "kernel"), (i, h), True),
-            TensorSpec(pre + "mlp.up_proj.weight", (key, "mlp", "up_proj", "kernel"), (i, h), True),
-            TensorSpec(pre + "mlp.down_proj.weight", (key, "mlp", "down_proj", "kernel"), (h, i), True),
-        ]
-    specs.append(TensorSpec("model.norm.weight", ("norm", "scale"), (h,), False))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", ("lm_head", "kernel"), (cfg.vocab_size, h), True))
-    return specs
+    """Every tensor a checkpoint of this config must hold, in HF naming (the family's list)."""
+    return family_of(cfg).tensor_specs(cfg)
 
 
 # ---------------------------------------------------------------------------- safetensors I/O
@@ -128,15 +107,6 @@ def _checkpoint_files(path: str) -> dict[str, str]:
         header, _ = read_safetensors_header(single)
         return {name: single for name in header}
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
-def _check_supported(raw: dict[str, Any]) -> None:
-    """Config fields from_hf_config does not model: reject what would change the math."""
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json field 'hidden_act'={raw['hidden_act']!r}: only 'silu' is supported")
-    for field in ("attention_bias", "mlp_bias"):
-        if raw.get(field):
-            raise ValueError(f"config.json field {field!r}=true: biases are not supported")
 
 
 def _resolve_dtype(dtype: Any, raw: dict[str, Any]) -> Any:
@@ -196,7 +166,7 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
     """Read config.json and every safetensors header; check names and shapes (no data read).
 
     Raises ValueError naming the tensor or config field on a missing tensor, a wrong shape,
-    an unexpected tensor, or a non-Llama architecture.
+    an unexpected tensor, or an architecture (or config value) paxkv does not serve.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -207,7 +177,6 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
     with open(config_path) as f:
         raw = json.load(f)
     cfg = from_hf_config(raw, name=os.path.basename(os.path.normpath(path)))
-    _check_supported(raw)
     target = _resolve_dtype(dtype, raw)
 
     files = _checkpoint_files(path)
@@ -218,7 +187,7 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints store the (identical) head anyway
-        raise ValueError(f"checkpoint has tensor {name!r} that a Llama model with this "
+        raise ValueError(f"checkpoint has tensor {name!r} that a {cfg.architecture} with this "
                          "config.json does not use")
     for spec in specs:
         if spec.hf_name not in files:
@@ -242,15 +211,27 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
     return CheckpointIndex(cfg, target, specs, files, headers)
 
 
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory or GGUF file, without reading weights."""
+    from paxkv.model.gguf_file import GGUFCheckpoint, is_gguf
+    if is_gguf(path):
+        return GGUFCheckpoint(path).cfg
+    return from_hf_config(path, name=os.path.basename(os.path.normpath(os.fspath(path))))
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
                     progress: bool | None = None) -> tuple[Params, ModelConfig]:
-    """Read an HF Llama checkpoint directory -> (params, ModelConfig).
+    """Read an HF checkpoint directory, or a GGUF file (`gguf_file.load_gguf`), ->
+    (params, ModelConfig).
 
     `dtype`: "bfloat16" / "float32" / "float16" / "auto" (the checkpoint's) or a dtype.
     `device`: a `jax.Device`, a `jax.sharding.Sharding`, or None for the default device
     (tensor-parallel loading, where no device holds a whole tensor, is
     `paxkv.parallel.loading.load_checkpoint`). Raises ValueError as `open_checkpoint` does.
     """
+    from paxkv.model.gguf_file import is_gguf, load_gguf
+    if is_gguf(path):
+        return load_gguf(path, dtype, device, progress)
     put_device = device if isinstance(device, jax.Device) else None
     sharding = device if isinstance(device, jax.sharding.Sharding) else None
     if device is not None and put_device is None and sharding is None:
@@ -285,6 +266,46 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
     return params, cfg
 
 
+def load_tensors(cfg: ModelConfig, held: Iterable[str], tensor: Callable[[str], np.ndarray],
+                 dtype: Any = "bfloat16", device: Any = None, progress: bool | None = None,
+                 source: str = "checkpoint") -> Params:
+    """Parameters from a checkpoint that hands out host tensors by HF name (a GGUF file):
+    the names held are checked against the family's `tensor_specs` (missing, unexpected and
+    misshapen tensors are ValueErrors naming them), then each tensor is read, placed, cast
+    and released before the next, as `load_checkpoint` does."""
+    put_device = device if isinstance(device, jax.Device) else None
+    sharding = device if isinstance(device, jax.sharding.Sharding) else None
+    if device is not None and put_device is None and sharding is None:
+        raise ValueError(f"device must be a jax.Device, a Sharding or None, got {device!r}")
+    target = _resolve_dtype(dtype, {})
+    specs = tensor_specs(cfg)
+    expected = {s.hf_name for s in specs}
+    for name in held:
+        if name not in expected and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            raise ValueError(f"{source} has tensor {name!r} that a {cfg.architecture} with this "
+                             "config does not use")
+    held = set(held)
+    for spec in specs:
+        if spec.hf_name not in held:
+            raise ValueError(f"{source} is missing tensor {spec.hf_name!r}")
+    if progress is None:
+        progress = sum(math.prod(s.hf_shape) for s in specs) * target.itemsize > (1 << 30)
+    from tqdm import tqdm
+    params: dict[str, Any] = {}
+    for spec in tqdm(specs, desc="loading weights", disable=not progress):
+        host = tensor(spec.hf_name)
+        if tuple(host.shape) != spec.hf_shape:
+            raise ValueError(f"{source} tensor {spec.hf_name!r} has shape {tuple(host.shape)}, "
+                             f"expected {spec.hf_shape} for this config")
+        x = _prepare(jax.device_put(host, put_device), target, spec.transpose)
+        if sharding is not None:
+            x = jax.device_put(x, sharding)
+        x.block_until_ready()
+        del host
+        _set(params, spec.path, x)
+    return params
+
+
 def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype: Any = "bfloat16",
                   device: jax.Device | None = None) -> Params:
     """Random weights built directly on the device (jitted init, no host copy): benchmarks."""
@@ -300,37 +321,8 @@ def random_params(cfg: ModelConfig, key: jax.Array | int = 0, dtype: Any = "bflo
 # ---------------------------------------------------------------------------- saving
 
 def hf_config_dict(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
-    """A transformers-loadable LlamaConfig dict for `cfg`."""
-    eos = list(cfg.eos_token_ids)
-    out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "torch_dtype": str(jnp.dtype(dtype)),
-    }
-    if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        out["rope_scaling"] = {
-            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings}
-    return out
+    """A config.json dict transformers loads for `cfg` (its family writes it)."""
+    return family_of(cfg).hf_config(cfg, str(jnp.dtype(dtype)))
 
 
 def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Array]]:
@@ -339,7 +331,8 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Arra
     for spec in tensor_specs(cfg):
         try:
             if spec.path[-2] in FUSED_PARTS:
-                x = projection(params[spec.path[0]], spec.path[1], spec.path[2], cfg)
+                x = projection(params[spec.path[0]], spec.path[1], spec.path[2], cfg,
+                               spec.path[-1])
             else:
                 x = _get(params, spec.path)
         except KeyError as e:
@@ -352,7 +345,7 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Arra
 
 
 def save_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> None:
-    """Write `config.json` + `model.safetensors` that transformers' LlamaForCausalLM loads.
+    """Write `config.json` + `model.safetensors` that transformers loads (the family's class).
 
     Tensors keep the parameters' dtype. Meant for small models (the whole state is gathered
     to host memory once).

@@ -19,38 +19,15 @@ from paxkv.parallel.sharding import PAGE_SPEC, SCALE_SPEC
 
 HEADS = P(None, AXIS, None)   # q, k, v and the output: [tokens, heads, head_dim]
 
-# (layer, q, k, v, pool, batch) -> (out, pool): one layer's write + attention.
-LayerAttention = Callable[[int, jax.Array, jax.Array, jax.Array, KVPool, StepBatch],
+# (q, k, v, one-layer pool, batch) -> (out, one-layer pool): one layer's write + attention.
+LayerAttention = Callable[[jax.Array, jax.Array, jax.Array, KVPool, StepBatch],
                           tuple[jax.Array, KVPool]]
 
 
-def _layer(pool: KVPool, layer: int) -> KVPool:
-    """A one-layer pool holding `layer`'s pages (and scales)."""
-    pick = lambda xs: None if xs is None else (xs[layer],)  # noqa: E731
-    return KVPool(pick(pool.k), pick(pool.v), pick(pool.k_scale), pick(pool.v_scale))
-
-
-def _put_layer(pool: KVPool, layer: int, one: KVPool) -> KVPool:
-    put = lambda xs, x: None if xs is None else xs[:layer] + x + xs[layer + 1:]  # noqa: E731
-    return KVPool(put(pool.k, one.k), put(pool.v, one.v), put(pool.k_scale, one.k_scale),
-                  put(pool.v_scale, one.v_scale))
-
-
-def per_device(fn: LayerAttention, batch: StepBatch, mesh: Mesh) -> Callable[..., Any]:
-    """`fn` run on every device over its own heads; the batch is the same everywhere.
-
-    Returns the `(layer, q, k, v, pool) -> (out, pool)` function the model's layers call.
-    """
-    def attention(layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                  pool: KVPool) -> tuple[jax.Array, KVPool]:
-        one = _layer(pool, layer)
-        scales = SCALE_SPEC if pool.quantized else None
-        pool_spec = KVPool((PAGE_SPEC,), (PAGE_SPEC,), None if scales is None else (scales,),
-                           None if scales is None else (scales,))
-        local = shard_map(lambda q, k, v, p, b: fn(0, q, k, v, p, b), mesh,
-                          in_specs=(HEADS, HEADS, HEADS, pool_spec, P()),
-                          out_specs=(HEADS, pool_spec))
-        out, one = local(q, k, v, one, batch)
-        return out, _put_layer(pool, layer, one)
-
-    return attention
+def per_device(fn: LayerAttention, mesh: Mesh, quantized: bool) -> Callable[..., Any]:
+    """`fn` run on every device over its own heads of q, k, v and of a one-layer pool; the
+    batch is the same everywhere (`paxkv.model.attention.PagedAttention` calls it)."""
+    scales = (SCALE_SPEC,) if quantized else None
+    pool_spec = KVPool((PAGE_SPEC,), (PAGE_SPEC,), scales, scales)
+    return shard_map(fn, mesh, in_specs=(HEADS, HEADS, HEADS, pool_spec, P()),
+                     out_specs=(HEADS, pool_spec))

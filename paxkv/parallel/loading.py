@@ -91,23 +91,31 @@ def _plain_shard(index: CheckpointIndex, spec: TensorSpec) -> Callable[[Index], 
     return shard
 
 
-def _grouped_shard(index: CheckpointIndex, layer: int, fused_name: str) -> Callable[[Index], np.ndarray]:
-    """Callback for a fused kernel in the grouped layout `[hidden, groups, cols]`: a shard's
-    groups take rows `[g0 * w / G, g1 * w / G)` of every separate HF projection."""
+def _grouped_shard(index: CheckpointIndex, layer: int, fused_name: str,
+                   leaf: str = "kernel") -> Callable[[Index], np.ndarray]:
+    """Callback for a fused kernel in the grouped layout `[hidden, groups, cols]` (or its bias,
+    `[groups, cols]`): a shard's groups take rows `[g0 * w / G, g1 * w / G)` of every
+    separate HF projection."""
     cfg = index.cfg
     block, parts = FUSED[fused_name]
     groups = cfg.num_kv_heads
     per_group = [w // groups for w in part_widths(cfg, fused_name)]
+    suffix = "weight" if leaf == "kernel" else "bias"
 
     def shard(idx: Index) -> np.ndarray:
-        g0, g1 = _bounds(idx[1], groups)
+        group_axis = 1 if leaf == "kernel" else 0
+        g0, g1 = _bounds(idx[group_axis], groups)
         pieces = []
         for part, w in zip(parts, per_group):
-            name = f"model.layers.{layer}.{block}.{part}.weight"
+            name = f"model.layers.{layer}.{block}.{part}.{suffix}"
+            if leaf == "bias":
+                pieces.append(read_slice(index, name, slice(g0 * w, g1 * w)).reshape(g1 - g0, w))
+                continue
             rows = read_slice(index, name, slice(g0 * w, g1 * w), idx[0])   # [(g1-g0) w, in]
             pieces.append(rows.T.reshape(rows.shape[1], g1 - g0, w))
-        x = np.concatenate(pieces, axis=2)
-        return np.ascontiguousarray(x[:, :, idx[2]], dtype=index.target)
+        x = np.concatenate(pieces, axis=-1)
+        x = x[:, idx[1]] if leaf == "bias" else x[:, :, idx[2]]
+        return np.ascontiguousarray(x, dtype=index.target)
     return shard
 
 
@@ -119,7 +127,7 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 def load_checkpoint(path: str | os.PathLike, mesh: Mesh, dtype: Any = "bfloat16",
                     progress: bool | None = None) -> tuple[Params, ModelConfig]:
-    """An HF Llama checkpoint directory -> (params in the grouped layout split over `mesh`,
+    """An HF checkpoint directory -> (params in the grouped layout split over `mesh`,
     ModelConfig). Every device receives only its shards; ValueErrors as
     `paxkv.model.weights.open_checkpoint` raises them."""
     index = open_checkpoint(path, dtype)
@@ -131,12 +139,17 @@ def load_checkpoint(path: str | os.PathLike, mesh: Mesh, dtype: Any = "bfloat16"
             continue
         shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
         jobs.append((spec.path, shape, _plain_shard(index, spec)))
+    held = {spec.path for spec in index.specs}
     for layer in range(cfg.num_layers):
-        for fused_name, (block, _) in FUSED.items():
+        for fused_name, (block, parts) in FUSED.items():
             widths = part_widths(cfg, fused_name)
-            shape = (cfg.hidden_size, cfg.num_kv_heads, sum(widths) // cfg.num_kv_heads)
-            jobs.append(((f"layers_{layer}", block, fused_name, "kernel"), shape,
+            cols = sum(widths) // cfg.num_kv_heads
+            jobs.append(((f"layers_{layer}", block, fused_name, "kernel"),
+                         (cfg.hidden_size, cfg.num_kv_heads, cols),
                          _grouped_shard(index, layer, fused_name)))
+            if (f"layers_{layer}", block, parts[0], "bias") in held:
+                jobs.append(((f"layers_{layer}", block, fused_name, "bias"),
+                             (cfg.num_kv_heads, cols), _grouped_shard(index, layer, fused_name, "bias")))
     if progress is None:
         total = sum(int(np.prod(s)) for _, s, _ in jobs) * np.dtype(index.target).itemsize
         progress = total > (1 << 30)
@@ -158,43 +171,44 @@ def random_params(cfg: ModelConfig, mesh: Mesh, key: jax.Array | int = 0,
     one layer's separate q/k/v and gate/up kernels live only until they are grouped.
     """
     from paxkv.model.layers import INIT_STD
-    from paxkv.model.llama import _leaf_name, param_shapes
+    from paxkv.model.params import init_value, leaf_name as _leaf_name, param_shapes
     from paxkv.model.weights import _resolve_dtype
     if isinstance(key, int):
         key = jax.random.key(key)
     target = _resolve_dtype(dtype, {})
     leaves, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, target))
+    per_layer: dict[str, int] = {}
+    for path, _ in leaves:
+        top = str(getattr(path[0], "key", path[0]))
+        per_layer[top] = per_layer.get(top, 0) + 1
     by_top: dict[str, dict] = {}
+    built: dict[str, int] = {}
     for i, (path, leaf) in enumerate(leaves):
         keys = tuple(str(getattr(p, "key", p)) for p in path)
         sharding = NamedSharding(mesh, param_spec(keys, leaf.ndim, cfg, mesh))
-        if _leaf_name(path).endswith("scale"):
-            x = _initializer(leaf.shape, target, sharding, None)()
+        value = init_value(cfg, _leaf_name(path))
+        if value is not None:
+            x = _initializer(leaf.shape, target, sharding, None, value)()
         else:
             x = _initializer(leaf.shape, target, sharding, INIT_STD)(jax.random.fold_in(key, i))
         _set(by_top, keys, x)
         top = keys[0]
-        if top.startswith("layers_") and _layer_complete(by_top[top], cfg):
+        built[top] = built.get(top, 0) + 1
+        if top.startswith("layers_") and built[top] == per_layer[top]:   # the layer is whole:
             by_top[top] = shard_params({top: by_top[top]}, cfg, mesh)[top]   # group, drop parts
     return by_top
 
 
 @functools.lru_cache(maxsize=None)
 def _initializer(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding,
-                 std: float | None) -> Callable[..., jax.Array]:
-    """A jitted initializer writing straight into `sharding`: ones (std None) or N(0, std),
-    drawn as `paxkv.model.llama.init_params` draws them."""
+                 std: float | None, value: float = 1.0) -> Callable[..., jax.Array]:
+    """A jitted initializer writing straight into `sharding`: the constant `value` (std None)
+    or N(0, std), drawn as `paxkv.model.params.init_params` draws them."""
     import jax.numpy as jnp
     if std is None:
-        return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)
+        return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
     return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype),
                    out_shardings=sharding)
-
-
-def _layer_complete(layer: dict, cfg: ModelConfig) -> bool:
-    """Whether every tensor of one layer (in the separate layout) has been built."""
-    want = {"self_attn": 4, "mlp": 3, "input_layernorm": 1, "post_attention_layernorm": 1}
-    return all(len(layer.get(k, {})) == n for k, n in want.items())
 
 
 def load_model(path: str | None, cfg: ModelConfig | None, params: Params | None,
@@ -205,16 +219,20 @@ def load_model(path: str | None, cfg: ModelConfig | None, params: Params | None,
     regrouped and split; otherwise random weights (seed `seed`, the same values as on one
     device) are built in place.
     """
-    from paxkv.config import from_hf_config
+    from paxkv.model.gguf_file import is_gguf, load_gguf
+    from paxkv.model.weights import checkpoint_config
     from paxkv.parallel.mesh import check_tensor_parallel_size, make_mesh
     if cfg is None:
-        cfg = from_hf_config(path)
+        cfg = checkpoint_config(path)
     check_tensor_parallel_size(cfg, tensor_parallel_size)
     if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must equal the "
                          f"{jax.device_count()} devices of all {jax.process_count()} processes")
     mesh = make_mesh(tensor_parallel_size)
     if params is not None:
+        return mesh, shard_params(params, cfg, mesh), cfg
+    if path is not None and is_gguf(path):   # dequantized one tensor at a time, then split
+        params, cfg = load_gguf(path, dtype)
         return mesh, shard_params(params, cfg, mesh), cfg
     if path is not None:
         params, cfg = load_checkpoint(path, mesh, dtype)

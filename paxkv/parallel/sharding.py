@@ -42,10 +42,20 @@ def _vocab_split(cfg: ModelConfig, mesh: Mesh) -> bool:
 
 
 def param_spec(path: tuple[str, ...], ndim: int, cfg: ModelConfig, mesh: Mesh) -> P:
-    """The PartitionSpec of the parameter at `path` (keys of the params tree)."""
-    name = path[-2] if path[-1] in ("kernel", "embedding", "scale") else path[-1]
+    """The PartitionSpec of the parameter at `path` (keys of the params tree). Every family's
+    tree uses these names (`paxkv/model/layers.py`): norm gains (q/k norms included) are
+    replicated, biases split as their projection's output columns."""
+    name = path[-2] if path[-1] in ("kernel", "embedding", "scale", "bias") else path[-1]
     if path[-1] == "scale":
         return P()
+    if path[-1] == "bias":
+        if name == "qkv_proj":
+            return P(AXIS, None)         # grouped: [groups, cols]
+        if name in ("q_proj", "k_proj", "v_proj"):
+            return P(AXIS)
+        if name == "o_proj":
+            return P()                   # added after the row-parallel all-reduce
+        raise ValueError(f"no tensor-parallel placement for parameter {'/'.join(path)}")
     if name in ("qkv_proj", "gate_up_proj"):
         if ndim != 3:
             raise ValueError(f"{'/'.join(path)} must be in the grouped layout "
@@ -81,9 +91,11 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     from paxkv.model.fusion import is_grouped, projection, with_fused_kernels
     grouped = params
     if not is_grouped(params):
-        regroup = _jit_grouped(cfg.num_kv_heads, NamedSharding(mesh, P(None, AXIS, None)))
-        grouped = with_fused_kernels(params, lambda layer, block, parts: regroup(
-            tuple(projection(layer, block, p, cfg) for p in parts)))
+        target = {"kernel": NamedSharding(mesh, P(None, AXIS, None)),
+                  "bias": NamedSharding(mesh, P(AXIS, None))}
+        grouped = with_fused_kernels(params, lambda layer, block, parts, leaf: _jit_grouped(
+            cfg.num_kv_heads, target[leaf])(tuple(projection(layer, block, p, cfg, leaf)
+                                                  for p in parts)))
     return jax.tree_util.tree_map_with_path(
         lambda path, x: _place(x, NamedSharding(mesh, param_spec(_key_path(path), np.ndim(x), cfg, mesh))),
         grouped)

@@ -19,7 +19,7 @@ import numpy as np
 
 from paxkv.cache import kv_pool as kvp
 from paxkv.cache.quant import storage_dtype
-from paxkv.config import ModelConfig, RunnerConfig
+from paxkv.config import AttentionPlan, ModelConfig, RunnerConfig
 from paxkv.engine.step_io import HostSample, SampleRow, StepTiming, WorkItem
 from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
@@ -57,28 +57,28 @@ def _pad_rows(tokens: jax.Array, num_rows: int) -> jax.Array:
 
 
 def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array,
-                           spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+                           spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
                            hidden_layers: tuple[int, ...], mesh: Any) -> tuple:
     """The forward of a step: -> (logits, each row's newest token, hidden or None, pool, st).
 
     Prompt logprobs ask the model for logits at the prompt positions too (appended after the
     S per-sequence rows); hidden states come out of the same forward pass.
     """
-    from paxkv.model.llama import forward
+    from paxkv.model.forward import forward
     batch, st, hidden_at = _unpack_inputs(inputs, spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     fed = batch.token_ids[batch.logits_indices[st.logits_rows]]    # each row's newest token
     if st.prompt_positions.shape[0]:
         batch = batch._replace(logits_indices=jnp.concatenate([batch.logits_indices,
                                                                st.prompt_positions]))
-    out = forward(params, batch, kv_pool, cfg, backend=backend, decode_only=decode_only,
+    out = forward(params, batch, kv_pool, cfg, plan=plan, decode_only=decode_only,
                   mesh=mesh, hidden_at=hidden_at, hidden_layers=hidden_layers)
     hidden = out[2].reshape(-1) if hidden_layers else None
     return out[0], fed, hidden, out[1], st
 
 
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-             spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+             spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
              sampling_mode: str, num_logprobs: int, num_prompt_logprobs: int = 0,
              hidden_layers: tuple[int, ...] = (),
              mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
@@ -89,7 +89,7 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
     `prev_tokens`, so placeholders can be filled without a round trip to the host.
     """
     logits, fed, hidden, kv_pool, st = _forward_with_features(
-        params, kv_pool, inputs, prev_tokens, spec, cfg, backend, decode_only, hidden_layers, mesh)
+        params, kv_pool, inputs, prev_tokens, spec, cfg, plan, decode_only, hidden_layers, mesh)
     result = sample(logits, st, mode=sampling_mode, num_logprobs=num_logprobs,
                     num_prompt_logprobs=num_prompt_logprobs, fed_tokens=fed)
     arrays = tuple(result) + ((hidden,) if hidden_layers else ())
@@ -97,17 +97,17 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
             kv_pool)
 
 
-_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "backend", "decode_only", "sampling_mode",
+_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "plan", "decode_only", "sampling_mode",
                                                "num_logprobs", "num_prompt_logprobs",
                                                "hidden_layers", "mesh"), donate_argnums=(1,))
 
 
 def _forward_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-                spec: transfer.Spec, cfg: ModelConfig, backend: str, decode_only: bool,
+                spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
                 hidden_layers: tuple[int, ...] = (), mesh: Any = None) -> tuple:
     """The forward half of a split step: -> (logits, fed tokens, hidden or [0], new pool)."""
     logits, fed, hidden, kv_pool, _ = _forward_with_features(
-        params, kv_pool, inputs, prev_tokens, spec, cfg, backend, decode_only, hidden_layers, mesh)
+        params, kv_pool, inputs, prev_tokens, spec, cfg, plan, decode_only, hidden_layers, mesh)
     if hidden is None:
         hidden = jnp.zeros((0,), jnp.float32)
     return logits, fed, hidden, kv_pool
@@ -126,14 +126,14 @@ def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax
             _pad_rows(result.tokens, prev_tokens.shape[0]))
 
 
-_jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "backend", "decode_only",
+_jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "plan", "decode_only",
                                                      "hidden_layers", "mesh"), donate_argnums=(1,))
 _jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "sampling_mode", "num_logprobs",
                                                    "num_prompt_logprobs", "has_hidden"))
 
 
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-                     spec: transfer.Spec, cfg: ModelConfig, backend: str, sampling_mode: str,
+                     spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, sampling_mode: str,
                      num_steps: int, mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
@@ -141,7 +141,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
     rows (context 0) stay padding: they write to the null block and read nothing. Returns
     tokens and logprobs `[num_steps, rows]` packed in one buffer.
     """
-    from paxkv.model.llama import forward
+    from paxkv.model.forward import forward
     batch, st, _ = _unpack_inputs(inputs, spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     num_seqs = batch.context_lens.shape[0]
@@ -155,7 +155,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         slots = jnp.where(valid, slots, rows % block_size)
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
-        logits, pool = forward(params, step, pool, cfg, backend=backend, decode_only=True, mesh=mesh)
+        logits, pool = forward(params, step, pool, cfg, plan=plan, decode_only=True, mesh=mesh)
         res = sample(logits, st._replace(steps=st.steps + j), mode=sampling_mode, num_logprobs=0,
                      fed_tokens=tokens)
         out_tok = out_tok.at[j].set(res.tokens)
@@ -170,7 +170,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
             kv_pool)
 
 
-_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "backend", "sampling_mode",
+_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "plan", "sampling_mode",
                                                                "num_steps", "mesh"), donate_argnums=(1,))
 
 
@@ -233,6 +233,7 @@ class Runner:
         self.cfg = config.model
         self.block_size = config.block_size
         self.backend = config.attention_backend
+        self.plan = config.attention
         self.fixed_shapes = config.fixed_shapes
         self.token_buckets = list(config.token_buckets)
         self.seq_buckets = list(config.seq_buckets)
@@ -426,7 +427,7 @@ class Runner:
         inputs, spec = _pack_inputs(batch, st, self.mesh)
         out, self._last_tokens, self.kv_pool = _jit_multi_decode(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, sampling_mode=mode, num_steps=num_steps, mesh=self.mesh)
+            plan=self.plan, sampling_mode=mode, num_steps=num_steps, mesh=self.mesh)
         shape = (num_steps, num_seqs)
         return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
                                             new, t0, time.perf_counter(), pack_s, multi=True))
@@ -465,12 +466,12 @@ class Runner:
         if fill_masks is None:
             out, self._last_tokens, self.kv_pool = _jit_step(
                 self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-                backend=self.backend, decode_only=decode_only, sampling_mode=mode,
+                plan=self.plan, decode_only=decode_only, sampling_mode=mode,
                 num_logprobs=k, num_prompt_logprobs=kp, hidden_layers=layers, mesh=self.mesh)
         else:
             logits, fed, hidden, self.kv_pool = _jit_forward(
                 self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-                backend=self.backend, decode_only=decode_only, hidden_layers=layers, mesh=self.mesh)
+                plan=self.plan, decode_only=decode_only, hidden_layers=layers, mesh=self.mesh)
             t_mask = time.perf_counter()
             rows = fill_masks(list(rows))          # host work while the device runs the forward
             masks = pack_masks([r.features for r in rows], self.cfg.vocab_size)
@@ -540,7 +541,7 @@ class Runner:
         inputs, spec = _pack_inputs(batch, st, self.mesh, None)
         compiled = _jit_step.lower(
             self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            backend=self.backend, decode_only=decode_only, sampling_mode=mode,
+            plan=self.plan, decode_only=decode_only, sampling_mode=mode,
             num_logprobs=k, mesh=self.mesh).compile()
         mem = compiled.memory_analysis()
         if mem is None:
