@@ -1,4 +1,5 @@
-"""What 8-bit KV pages cost in accuracy, on the embedded tiny model's held-out text.
+"""What 8-bit KV pages cost in accuracy, on held-out Austen text: the embedded tiny model's, or
+a real model's (`--model smollm2-135m-instruct`, the split's text tokenized by its tokenizer).
 
 Three measurements, each against the full-precision cache (float32 pages, the CPU's "auto"):
 
@@ -21,6 +22,8 @@ Three measurements, each against the full-precision cache (float32 pages, the CP
     PYTHONPATH=. python3 experiments/kv_quant_accuracy.py
     PYTHONPATH=. python3 experiments/kv_quant_accuracy.py --max_windows=4 --num_prompts=8 \
         --out_dir=/tmp/kvq                                # a quick look
+    PYTHONPATH=. python3 experiments/kv_quant_accuracy.py --model smollm2-135m-instruct \
+        --granularity=false                                # the real model
 
 The corpus comes from `scripts/prepare_tiny_corpus.py` (`--corpus_dir`, test split); any
 text file works instead (`--text_file`).
@@ -50,6 +53,8 @@ from paxkv.model.forward import forward
 from paxkv.model.layers import DecoderLM
 
 FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny", "The model: 'tiny' (the corpus's own tokens), or a preset, "
+                    "checkpoint dir or GGUF file (the split's text, tokenized by its tokenizer).")
 flags.DEFINE_string("corpus_dir", "scratch/tiny_corpus", "Output of scripts/prepare_tiny_corpus.py.")
 flags.DEFINE_string("text_file", None, "Held-out text to use instead of the corpus (tokenized "
                     "with the tiny model's tokenizer; paragraphs split on blank lines).")
@@ -94,6 +99,19 @@ def load_text(tokenizer: Any, bos: int) -> dict[str, Any]:
         return {"eval": np.concatenate([np.asarray(x) for x in ids]).astype(np.int32),
                 "calib": np.concatenate([np.asarray(x) for x in ids[:half]]).astype(np.int32),
                 "paragraphs": ids, "source": os.path.basename(FLAGS.text_file)}
+    if FLAGS.model != "tiny":   # another tokenizer: the split's text, not its tiny-model ids
+        def split_ids(split: str) -> list[list[int]]:
+            path = os.path.join(FLAGS.corpus_dir, f"{split}.txt")
+            if not os.path.exists(path):
+                raise ValueError(f"--corpus_dir: {path} not found; build it with "
+                                 "scripts/prepare_tiny_corpus.py or pass --text_file")
+            with open(path) as f:
+                paras = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+            return [tokenizer.encode(p, add_special_tokens=False) for p in paras]
+        ids, calib = split_ids(FLAGS.split), split_ids(FLAGS.calib_split)
+        return {"eval": np.concatenate([np.asarray(x) for x in ids]).astype(np.int32),
+                "calib": np.concatenate([np.asarray(x) for x in calib]).astype(np.int32),
+                "paragraphs": ids, "source": f"Austen corpus, {FLAGS.split} split"}
     path = os.path.join(FLAGS.corpus_dir, "corpus.npz")
     if not os.path.exists(path):
         raise ValueError(f"--corpus_dir: {path} not found; build it with "
@@ -335,8 +353,8 @@ def agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, float]:
 
 # ---- report -------------------------------------------------------------------------------
 def bytes_row(cfg: ModelConfig, name: str) -> dict[str, float]:
-    """Bytes per token (pages + scales) for the tiny model and Llama-3-8B, and the gain in
-    tokens per gigabyte over bf16 pages."""
+    """Bytes per token (pages + scales) for the model measured (keyed "tiny") and Llama-3-8B,
+    and the gain in tokens per gigabyte over bf16 pages."""
     from paxkv.config import PRESETS
     out = {}
     for label, c in (("tiny", cfg), ("llama3_8b", PRESETS["llama3-8b"])):
@@ -431,12 +449,13 @@ def hardware() -> str:
 
 def main(argv):
     del argv
-    from paxkv.assets import tiny_model_dir
+    from paxkv.llm import _resolve_model
     from paxkv.model.weights import load_checkpoint
     from paxkv.tokenizer import load_tokenizer
-    model_dir = tiny_model_dir()
+    model_dir, _ = _resolve_model(FLAGS.model)
     if model_dir is None:
-        raise ValueError("the tiny model is not in paxkv/assets/tiny (scripts/train_tiny.py)")
+        raise ValueError(f"--model {FLAGS.model!r} names no checkpoint (the tiny model is "
+                         "trained by scripts/train_tiny.py)")
     for d in FLAGS.kv_dtypes:
         quant.storage_dtype(d)   # ValueError naming the field on a bad name
     if FLAGS.seq_len % FLAGS.block_size:
@@ -468,8 +487,10 @@ def main(argv):
     table, notes = render(results, settings)
     print(table)
     print(notes)
+    label = "the tiny model" if FLAGS.model == "tiny" else cfg.name
+    name = NAME if FLAGS.model == "tiny" else f"{NAME}_{FLAGS.model.replace('-', '_')}"
     paths = common.write_results(
-        NAME, FLAGS.out_dir, title="KV-cache quantization: accuracy on the tiny model",
+        name, FLAGS.out_dir, title=f"KV-cache quantization: accuracy on {label}",
         command=common.command_line(), hardware=hardware(), settings=settings,
         results=results, table=table, notes=notes, figure=plot(results))
     print("wrote", ", ".join(paths.values()))

@@ -312,7 +312,7 @@ class EngineConfig:
         if max_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")
-        check_pool_fits(self.cache, self.scheduler)
+        check_pool_fits(self.cache, self.scheduler, self.model)
 
     def with_pool(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
         """This config once the KV pool is sized (checked: it holds one full-length sequence)."""
@@ -321,12 +321,19 @@ class EngineConfig:
         return dataclasses.replace(self, cache=cache)
 
 
-def check_pool_fits(cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+def check_pool_fits(cache: CacheConfig, scheduler: SchedulerConfig,
+                    model: ModelConfig | None = None) -> None:
     """The scheduler's progress guarantee: a sized pool holds one `max_model_len` sequence
-    alone, so the oldest request always fits. (EngineConfig checks it; a scheduler built by
-    hand, as the simulator does, calls it.)"""
+    alone, so the oldest request always fits: its blocks in every KV group of `model`
+    (`cache/kv_layout.py`; a sliding group holds its window and one step's chunk), one group
+    of every layer when `model` is None. (EngineConfig checks it; a scheduler built by hand,
+    as the simulator does, calls it.)"""
     blocks, bs, max_len = cache.num_gpu_blocks, cache.block_size, scheduler.max_model_len
     need = _cdiv(max_len, bs) + 1
+    if model is not None:
+        from paxkv.cache.kv_layout import kv_layout, blocks_held   # (kv_layout imports this)
+        need = 1 + sum(blocks_held(w, max_len, bs, scheduler.max_num_batched_tokens)
+                       for w in kv_layout(model).windows())
     if blocks is not None and blocks < need:
         raise ValueError(
             f"num_gpu_blocks {blocks} cannot hold one sequence of max_model_len {max_len} "

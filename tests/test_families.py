@@ -105,17 +105,28 @@ def test_engine_pallas_kernels_equal_transformers(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_prefix_cache_and_preemption(family, mode):
-    """A pool of 24 blocks for four sequences of up to 99 tokens preempts; every prompt is
-    asked twice, so the second of each hits the prefix cache."""
-    llm = LLM(family.path, **{**ENGINE, "params": family.params, "num_gpu_blocks_override": 24,
-                              "preemption_mode": mode, "swap_space": 1.0,
-                              "attention_backend": "reference"})
+def test_preemption_and_prefix_cache(family, mode):
+    """A pool three blocks larger than one full-length sequence needs (with a window, the
+    blocks it covers) preempts four sequences of up to 99 tokens; then, in a pool that holds
+    them, every prompt asked twice: the second of each hits the prefix cache (with a window,
+    the hit needs only the blocks the window covers)."""
+    from paxkv.cache.kv_layout import blocks_held, kv_layout
+    need = 1 + sum(blocks_held(w, ENGINE["max_model_len"], ENGINE["block_size"],
+                               ENGINE["max_num_batched_tokens"])
+                   for w in kv_layout(family.cfg).windows())
     sp = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
-    outs = llm.generate(family.prompts + family.prompts, sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == family.greedy * 2
-    assert llm.metrics.summary()["preemptions"] > 0
-    assert sum(o.num_cached_tokens for o in outs) > 0
+    small = LLM(family.path, **{**ENGINE, "params": family.params, "preemption_mode": mode,
+                                "num_gpu_blocks_override": need + 3, "swap_space": 1.0,
+                                "attention_backend": "reference"})
+    outs = small.generate(family.prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == family.greedy
+    assert small.metrics.summary()["preemptions"] > 0
+    assert_no_leaks(small)
+    llm = LLM(family.path, **{**ENGINE, "params": family.params, "attention_backend": "reference"})
+    first = llm.generate(family.prompts, sp, use_tqdm=False)
+    again = llm.generate(family.prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + again] == family.greedy * 2
+    assert all(o.num_cached_tokens > 0 for o, p in zip(again, family.prompts) if len(p) > 16)
     assert_no_leaks(llm)
 
 

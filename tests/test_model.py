@@ -210,7 +210,7 @@ def test_forward_rejects_mismatched_pool(setup):
     batch = seqs.batch([prompts[0][:4]])
     bad = init_pool(cfg, seqs.num_blocks, BLOCK_SIZE, jnp.float32)
     bad = bad._replace(k=bad.k[:1], v=bad.v[:1])
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ValueError, match="layer slots"):
         paged.forward(params, batch, bad, cfg)
 
 

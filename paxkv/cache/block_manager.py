@@ -21,22 +21,33 @@ module keeps what is per sequence:
 - Swap. Preempted sequences can move to a host pool of `num_host_blocks`; a block shared by
   several of the sequences swapped together moves once.
 
+- KV groups (`paxkv/cache/kv_layout.py`). A model whose layers attend differently keeps one
+  table per group of layers (`seq.block_table` for group 0, `seq.group_tables` for the
+  rest), all drawing block ids from one pool. A sliding-window group gives a block back to
+  the pool as soon as no query the sequence will compute can see it (its table then holds
+  the null block there), so its memory stays O(window). Its prefix hits need only the
+  blocks the next query's window covers. Group 0 of a model with one group is exactly the
+  single table of before, on the same code paths.
+
 The scheduler's per-step call is `allocate_slots(plan)`: it checks a whole group's plan and
-commits it in one step, or returns None and changes nothing, so the caller can preempt and
-ask again.
+commits it in one step, or returns None and changes nothing (except giving back blocks no
+window can see any more), so the caller can preempt and ask again.
 
 Plain Python on purpose: per step work is a few list operations per sequence.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from paxkv.cache.block_pool import NULL_BLOCK, BlockPool
+from paxkv.cache.kv_layout import blocks_held
 from paxkv.config import CacheConfig
-from paxkv.engine.sequence import Sequence
+
+if TYPE_CHECKING:   # the manager only reads and writes the fields it owns
+    from paxkv.engine.sequence import Sequence
 
 BlockKey = tuple  # (parent hash | None, tuple of block_size token ids)
-Plan = Iterable[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
+Plan = Iterable[tuple["Sequence", int]]  # (sequence, number of new tokens to compute)
 Copies = list[tuple[int, int]]         # (src, dst) block copies for the device to run
 
 __all__ = ["NULL_BLOCK", "BlockManager", "BlockKey", "Copies", "Plan"]
@@ -46,8 +57,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _as_list(seqs: Sequence | Iterable[Sequence]) -> list[Sequence]:
-    return [seqs] if isinstance(seqs, Sequence) else list(seqs)
+def _as_list(seqs: "Sequence | Iterable[Sequence]") -> list["Sequence"]:
+    return [seqs] if hasattr(seqs, "seq_id") else list(seqs)
+
+
+HOST_NULL = -1   # a host table's entry for a block a window had given back (host ids start at 0)
+
+
+def tables(seq: "Sequence") -> list[list[int]]:
+    """Every block table of `seq`, group 0 first."""
+    return [seq.block_table, *seq.group_tables]
 
 
 class BlockManager:
@@ -64,8 +83,10 @@ class BlockManager:
     in the device pool's index (evictable) until they are needed for something else.
     """
 
-    def __init__(self, cache: CacheConfig) -> None:
-        """`cache` with its pool sized (`num_gpu_blocks` set; `CacheConfig` checked the rest)."""
+    def __init__(self, cache: CacheConfig, windows: tuple[int | None, ...] = (None,)) -> None:
+        """`cache` with its pool sized (`num_gpu_blocks` set; `CacheConfig` checked the rest);
+        `windows`: each KV group's sliding window, None for full attention
+        (`kv_layout.KVLayout.windows`; one full group by default)."""
         if cache.num_gpu_blocks is None:
             raise ValueError("CacheConfig.num_gpu_blocks is not set: size the pool first "
                              "(EngineConfig.with_pool)")
@@ -76,6 +97,13 @@ class BlockManager:
         self.enable_prefix_caching = cache.enable_prefix_caching
         self.watermark = cache.watermark
         self.watermark_blocks = int(cache.watermark * self.num_blocks)
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must name each KV group's window (None or >= 1), "
+                             f"got {windows}")
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        # The single full-attention table: every per-step path below keeps its old fast form.
+        self._plain = self.windows == (None,)
 
         self.device_pool = BlockPool(self.num_blocks, enable_caching=self.enable_prefix_caching,
                                      reserve_null_block=True, name="device")
@@ -133,14 +161,28 @@ class BlockManager:
         """Blocks the device-resident sequences would need with no sharing at all.
 
         Counts tokens whose K/V is written (the just-sampled token has none yet), so it
-        compares like for like with the physical blocks in use.
+        compares like for like with the physical blocks in use. A sliding group needs only
+        the blocks its window still covers.
         """
         bs = self.block_size   # a list, not a generator: this runs every step, over every sequence
-        return sum([-(-s.num_computed_tokens // bs) for s in self._device_seqs.values()])
+        if self._plain:
+            return sum([-(-s.num_computed_tokens // bs) for s in self._device_seqs.values()])
+        total = 0
+        for s in self._device_seqs.values():
+            held = -(-s.num_computed_tokens // bs)
+            for w in self.windows:
+                total += held - (0 if w is None else min(held, self._first_live(w, s.num_computed_tokens)))
+        return total
 
     def num_tokens_in_use(self) -> int:
         """Token slots the device-resident sequences fill (shared tokens counted per sequence)."""
         return sum(len(s.token_ids) for s in self._device_seqs.values())
+
+    def blocks_per_sequence(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most, over every group, when
+        it is computed in chunks of at most `chunk` tokens (None: all at once): a sliding
+        group holds its window plus the chunk being written."""
+        return sum(blocks_held(w, num_tokens, self.block_size, chunk) for w in self.windows)
 
     def ref_count(self, block: int) -> int:
         """Tables holding device block `block`."""
@@ -151,6 +193,30 @@ class BlockManager:
 
     def is_on_host(self, seq: Sequence) -> bool:
         return seq.seq_id in self._host_seqs
+
+    # ------------------------------------------------------------------ windows
+    def _first_live(self, window: int, start: int) -> int:
+        """The first block a query at position `start` or later can still see through
+        `window`: keys at positions > query - window."""
+        return max(0, start - window + 1) // self.block_size
+
+    def _release_out_of_window(self, seq: Sequence, start: int) -> None:
+        """Give back the blocks of `seq`'s sliding groups that no query at `start` or later
+        can see: their table entries become the null block."""
+        freed = seq.num_window_freed
+        if not freed:
+            freed.extend([0] * self.num_groups)
+        pool = self.device_pool
+        for g, (w, table) in enumerate(zip(self.windows, tables(seq))):
+            if w is None:
+                continue
+            stop = min(self._first_live(w, start), len(table))
+            if stop <= freed[g]:
+                continue
+            gone = [b for b in table[freed[g]:stop] if b != NULL_BLOCK]
+            table[freed[g]:stop] = [NULL_BLOCK] * (stop - freed[g])
+            pool.free(reversed(gone))
+            freed[g] = stop
 
     # ------------------------------------------------------------------ prefix cache
     def _ensure_keys(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
@@ -163,30 +229,65 @@ class BlockManager:
             keys.append((parent, tuple(toks[i * bs:(i + 1) * bs])))
         return keys
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks of the longest cached prefix of a new sequence.
+    @staticmethod
+    def _group_key(group: int, key: BlockKey) -> BlockKey:
+        """Group g's pages of a prefix are other blocks than group 0's: its own key."""
+        return key if group == 0 else (group, key)
+
+    def _lookup(self, seq: Sequence) -> list[list[int]]:
+        """Each group's cached blocks of the longest prefix every group has cached, for a new
+        sequence (empty lists: no hit); a sliding group's list holds the null block before
+        the blocks the first uncached query's window covers.
 
         Capped at (num_tokens - 1) // block_size blocks so at least the last token is
         computed: the step that computes it produces the logits to sample from.
         """
         pool = self.device_pool
         if not self.enable_prefix_caching or not pool.num_cached or seq.skip_prefix_cache:
-            return []
+            return [[] for _ in self.windows]
         cap = (len(seq.token_ids) - 1) // self.block_size
         keys = self._ensure_keys(seq, cap)
-        hits = []
-        for i in range(cap):
-            b = pool.get_cached_block(keys[i])
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        get = pool.get_cached_block
+        if self._plain:
+            hits = []
+            for i in range(cap):
+                b = get(keys[i])
+                if b is None:
+                    break
+                hits.append(b)
+            return [hits]
+        found: list[dict[int, int | None]] = [{} for _ in self.windows]
+
+        def hit(g: int, i: int) -> int | None:
+            if i not in found[g]:
+                found[g][i] = get(self._group_key(g, keys[i]))
+            return found[g][i]
+
+        h = cap
+        for g, w in enumerate(self.windows):         # full groups: consecutive from block 0
+            if w is None:
+                h = next((i for i in range(h) if hit(g, i) is None), h)
+        moved = True
+        while moved and h > 0:                       # sliding groups: the blocks they read
+            moved = False
+            for g, w in enumerate(self.windows):
+                if w is None:
+                    continue
+                lo = self._first_live(w, h * self.block_size)
+                miss = next((i for i in range(h - 1, lo - 1, -1) if hit(g, i) is None), None)
+                if miss is not None:
+                    h, moved = miss, True
+        out = []
+        for g, w in enumerate(self.windows):
+            lo = 0 if w is None else self._first_live(w, h * self.block_size)
+            out.append([NULL_BLOCK] * lo + [hit(g, i) for i in range(lo, h)])
+        return out
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens `allocate` would serve from the prefix cache for this new sequence."""
         if seq.seq_id in self._device_seqs:
             return 0
-        return len(self._lookup(seq)) * self.block_size
+        return len(self._lookup(seq)[0]) * self.block_size
 
     def mark_computed(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register the sequence's blocks that are now full and computed in the prefix cache.
@@ -202,10 +303,11 @@ class BlockManager:
         if full <= start:
             return
         keys = self._ensure_keys(seq, full)
-        table = seq.block_table
         cache_block = self.device_pool.cache_block
-        for i in range(start, full):
-            cache_block(table[i], keys[i])
+        for g, table in enumerate(tables(seq)):
+            for i in range(start, full):
+                if table[i] != NULL_BLOCK:       # given back by a window before it was full
+                    cache_block(table[i], self._group_key(g, keys[i]))
         seq.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> int:
@@ -219,13 +321,15 @@ class BlockManager:
         The one place both `blocks_to_allocate` and `can_allocate` count from (a subclass
         that reserves differently overrides this).
         """
-        table = seq.block_table
+        want = _cdiv(num_tokens, self.block_size)
         if seq.seq_id in self._device_seqs:
-            return max(0, _cdiv(num_tokens, self.block_size) - len(table))
-        hits = self._lookup(seq)
+            return sum(max(0, want - len(t)) for t in tables(seq))
         refs = self.device_pool.ref_counts
-        from_evictable = sum(1 for b in hits if refs[b] == 0)
-        return from_evictable + max(0, _cdiv(num_tokens, self.block_size) - len(hits))
+        total = 0
+        for hits in self._lookup(seq):
+            total += sum(1 for b in hits if b != NULL_BLOCK and refs[b] == 0)
+            total += max(0, want - len(hits))
+        return total
 
     def blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `allocate(seq, num_tokens)` would take (evictable prefix hits included)."""
@@ -237,10 +341,10 @@ class BlockManager:
         return self._blocks_to_allocate(seq, num_tokens) <= self.num_available_blocks - reserve
 
     def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """Make `seq.block_table` cover `num_tokens` tokens; returns the prefix-cached tokens.
+        """Make `seq`'s tables cover `num_tokens` tokens; returns the prefix-cached tokens.
 
         For a sequence the manager does not hold yet (new, or re-admitted after a recompute
-        preemption) the table first takes the cached blocks of its longest cached prefix;
+        preemption) the tables first take the cached blocks of its longest cached prefix;
         the caller sets `num_computed_tokens` to the returned count. For a held sequence it
         only appends fresh blocks (no copy-on-write: use `allocate_slots` before writing).
         """
@@ -252,23 +356,29 @@ class BlockManager:
             raise RuntimeError(f"cannot allocate {num_tokens} tokens for sequence {seq.seq_id}: "
                                f"{self.num_available_blocks} blocks available")
         pool = self.device_pool
-        table = seq.block_table
         cached_tokens = 0
         if seq.seq_id not in self._device_seqs:
-            if table:
+            if seq.block_table or any(seq.group_tables):
                 raise ValueError(f"sequence {seq.seq_id} has a block_table the manager does not own")
             hits = self._lookup(seq)
-            pool.touch(hits)
-            table.extend(hits)
-            cached_tokens = len(hits) * self.block_size
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+            for table, group_hits in zip(tables(seq), hits):
+                pool.touch([b for b in group_hits if b != NULL_BLOCK])
+                table.extend(group_hits)
+            # A sliding group's hits start with null blocks: those before its window.
+            seq.num_window_freed = ([] if self._plain else
+                                    [sum(1 for b in group_hits if b == NULL_BLOCK)
+                                     for group_hits in hits])
+            cached_tokens = len(hits[0]) * self.block_size
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(seq.token_ids)
                 self.prefix_cache_hits += cached_tokens
-            seq.num_registered_blocks = len(hits)
+            seq.num_registered_blocks = len(hits[0])
             self._device_seqs[seq.seq_id] = seq
-        grow = _cdiv(num_tokens, self.block_size) - len(table)
-        if grow > 0:
-            table.extend(pool.get_new_blocks(grow))
+        want = _cdiv(num_tokens, self.block_size)
+        for table in tables(seq):
+            if want > len(table):
+                table.extend(pool.get_new_blocks(want - len(table)))
         return cached_tokens
 
     def _blocks_needed(self, plan: Plan, refs: list[int]) -> int:
@@ -281,18 +391,18 @@ class BlockManager:
         taken: dict[int, int] = {}
         total = 0
         for seq, n in plan:
-            table = seq.block_table
             start = seq.num_computed_tokens
             end_block = _cdiv(start + n, bs)
-            stop = min(len(table), end_block)
-            for idx in range(start // bs, stop):
-                b = table[idx]
-                t = taken.get(b, 0)
-                if refs[b] - t > 1:  # still shared when this writer gets to it
-                    total += 1
-                    taken[b] = t + 1
-            if end_block > len(table):
-                total += end_block - len(table)
+            for table in ((seq.block_table,) if self._plain else tables(seq)):
+                stop = min(len(table), end_block)
+                for idx in range(start // bs, stop):
+                    b = table[idx]
+                    t = taken.get(b, 0)
+                    if refs[b] - t > 1:  # still shared when this writer gets to it
+                        total += 1
+                        taken[b] = t + 1
+                if end_block > len(table):
+                    total += end_block - len(table)
         return total
 
     def blocks_needed(self, plan: Plan) -> int:
@@ -305,18 +415,20 @@ class BlockManager:
     def allocate_slots(self, plan: Plan) -> Copies | None:
         """Room to write every planned chunk, all or nothing.
 
-        For each (sequence, n) of `plan`, in order, the sequence's table must cover tokens
+        For each (sequence, n) of `plan`, in order, the sequence's tables must cover tokens
         [num_computed, num_computed + n); a shared block in that range is replaced by a
         fresh one (copy-on-write). If the whole plan fits the available blocks it is
         committed and the (src, dst) copies the device must run before the step are
-        returned, in plan order. Otherwise returns None and changes nothing, so the caller
-        can preempt something and ask again. Members of one plan may share blocks (the
-        sequences of one request): the count is exact for writing them in plan order.
+        returned, in plan order. Otherwise returns None and changes nothing but this: blocks
+        no window of the plan's sequences can see any more go back to the pool first. The
+        caller can then preempt something and ask again. Members of one plan may share
+        blocks (the sequences of one request): the count is exact for writing them in plan
+        order.
         """
         if not isinstance(plan, (list, tuple)):
             plan = list(plan)
         pool = self.device_pool
-        if len(plan) == 1:
+        if len(plan) == 1 and self._plain:
             seq, n = plan[0]
             if n == 1 and seq.seq_id in self._device_seqs:  # one decode: the common case
                 table = seq.block_table
@@ -338,6 +450,9 @@ class BlockManager:
             if n < 1:
                 raise ValueError(f"number of new tokens must be >= 1, got {n} "
                                  f"for sequence {seq.seq_id}")
+        if not self._plain:
+            for seq, _ in plan:
+                self._release_out_of_window(seq, seq.num_computed_tokens)
         if self._blocks_needed(plan, pool.ref_counts) > pool.num_available:
             return None
         copies: Copies = []
@@ -350,20 +465,20 @@ class BlockManager:
         bs = self.block_size
         pool = self.device_pool
         refs = pool.ref_counts
-        table = seq.block_table
         start = seq.num_computed_tokens
         end_block = _cdiv(start + num_new_tokens, bs)
         copies = []
-        for idx in range(start // bs, min(len(table), end_block)):
-            b = table[idx]
-            if refs[b] > 1:
-                nb = pool.get_new_block()
-                pool.free((b,))  # stays held: another table still has it
-                table[idx] = nb
-                if idx * bs < start:  # holds computed tokens of this sequence: copy them
-                    copies.append((b, nb))
-        if end_block > len(table):
-            table.extend(pool.get_new_blocks(end_block - len(table)))
+        for table in ((seq.block_table,) if self._plain else tables(seq)):
+            for idx in range(start // bs, min(len(table), end_block)):
+                b = table[idx]
+                if refs[b] > 1:
+                    nb = pool.get_new_block()
+                    pool.free((b,))  # stays held: another table still has it
+                    table[idx] = nb
+                    if idx * bs < start:  # holds computed tokens of this sequence: copy them
+                        copies.append((b, nb))
+            if end_block > len(table):
+                table.extend(pool.get_new_blocks(end_block - len(table)))
         if copies:
             self.num_cow_copies += len(copies)
         return copies
@@ -386,10 +501,15 @@ class BlockManager:
         """The child shares every block of the parent (ref counts +1)."""
         if parent.seq_id not in self._device_seqs:
             raise ValueError(f"parent sequence {parent.seq_id} holds no device blocks")
-        if child.seq_id in self._device_seqs or child.seq_id in self._host_seqs or child.block_table:
+        if (child.seq_id in self._device_seqs or child.seq_id in self._host_seqs
+                or child.block_table or any(child.group_tables)):
             raise ValueError(f"child sequence {child.seq_id} already holds blocks")
         child.block_table = list(parent.block_table)
-        self.device_pool.touch(child.block_table)
+        child.group_tables = [list(t) for t in parent.group_tables]
+        child.num_window_freed = list(parent.num_window_freed)
+        for table in tables(child):
+            self.device_pool.touch([b for b in table if b != NULL_BLOCK] if not self._plain
+                                   else table)
         child.num_registered_blocks = parent.num_registered_blocks
         self._device_seqs[child.seq_id] = child
 
@@ -398,12 +518,17 @@ class BlockManager:
         if seq.seq_id in self._device_seqs:
             # Reverse order: the tail of a sequence is the least reusable prefix, so it
             # should be evicted first.
-            self.device_pool.free(reversed(seq.block_table))
+            for table in reversed(tables(seq)):
+                self.device_pool.free(reversed([b for b in table if b != NULL_BLOCK]
+                                               if not self._plain else table))
             del self._device_seqs[seq.seq_id]
         elif seq.seq_id in self._host_seqs:
-            self.host_pool.free(seq.block_table)
+            for table in tables(seq):
+                self.host_pool.free([h for h in table if h != HOST_NULL])
             del self._host_seqs[seq.seq_id]
         seq.block_table = []
+        seq.group_tables = []
+        seq.num_window_freed = []
         seq.num_registered_blocks = 0
 
     # ------------------------------------------------------------------ swap
@@ -411,43 +536,56 @@ class BlockManager:
         seqs = _as_list(seqs)
         if any(s.seq_id not in self._device_seqs for s in seqs):
             return False
-        distinct = {b for s in seqs for b in s.block_table}
+        distinct = {b for s in seqs for t in tables(s) for b in t if b != NULL_BLOCK}
         return len(distinct) <= self.host_pool.num_available
 
     def swap_out(self, seqs: Sequence | Iterable[Sequence]) -> Copies:
         """Move the sequences' tables to the host pool; returns (device, host) copies.
 
         The device must run the copies before anything else writes this step (the freed
-        device blocks may be handed out again in the same schedule).
+        device blocks may be handed out again in the same schedule). Entries a window gave
+        back stay empty (`HOST_NULL`) and move nothing.
         """
         seqs = _as_list(seqs)
         if not self.can_swap_out(seqs):
             raise RuntimeError("cannot swap out: sequence not on device or host pool too small")
-        device, host = self.device_pool, self.host_pool
-        mapping: dict[int, int] = {}
-        pairs = []
+        pairs = self._move(seqs, self.device_pool, self.host_pool, NULL_BLOCK, HOST_NULL)
         for s in seqs:
-            host_table = []
-            for d in s.block_table:
-                h = mapping.get(d)
-                if h is None:
-                    h = host.get_new_block()
-                    mapping[d] = h
-                    pairs.append((d, h))
-                else:
-                    host.touch((h,))
-                host_table.append(h)
-            device.free(reversed(s.block_table))
-            s.block_table = host_table
-            s.num_registered_blocks = 0
             del self._device_seqs[s.seq_id]
             self._host_seqs[s.seq_id] = s
         self.num_blocks_swapped_out += len(pairs)
         return pairs
 
+    @staticmethod
+    def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool, src_null: int,
+              dst_null: int) -> Copies:
+        """Every table of `seqs` from `src` blocks to fresh `dst` blocks (a block shared by
+        several of them moves once; empty entries stay empty) -> the (src, dst) copies."""
+        mapping: dict[int, int] = {src_null: dst_null}
+        pairs = []
+        for s in seqs:
+            moved = []
+            for table in tables(s):
+                new = []
+                for b in table:
+                    d = mapping.get(b)
+                    if d is None:
+                        d = dst.get_new_block()
+                        mapping[b] = d
+                        pairs.append((b, d))
+                    elif d != dst_null:
+                        dst.touch((d,))
+                    new.append(d)
+                src.free(reversed([b for b in table if b != src_null]))
+                moved.append(new)
+            s.block_table, s.group_tables = moved[0], moved[1:]
+            s.num_registered_blocks = 0   # fresh blocks: registered again once computed
+        return pairs
+
     def swap_in_blocks_needed(self, seqs: Sequence | Iterable[Sequence], plan: Plan = ()) -> int:
         """Device blocks to swap `seqs` in and then `allocate_slots(plan)` for them."""
-        distinct = {h for s in _as_list(seqs) for h in s.block_table}
+        distinct = {h for s in _as_list(seqs) for t in tables(s) for h in t if h != HOST_NULL}
+        # The entries a plan writes are never empty: `HOST_NULL` is not looked up.
         return len(distinct) + self._blocks_needed(plan, self.host_pool.ref_counts)
 
     def can_swap_in(self, seqs: Sequence | Iterable[Sequence], num_extra_blocks: int = 0,
@@ -455,7 +593,7 @@ class BlockManager:
         seqs = _as_list(seqs)
         if any(s.seq_id not in self._host_seqs for s in seqs):
             return False
-        distinct = {h for s in seqs for h in s.block_table}
+        distinct = {h for s in seqs for t in tables(s) for h in t if h != HOST_NULL}
         reserve = self.watermark_blocks if use_watermark else 0
         return len(distinct) + num_extra_blocks <= self.num_available_blocks - reserve
 
@@ -464,23 +602,8 @@ class BlockManager:
         seqs = _as_list(seqs)
         if not self.can_swap_in(seqs, use_watermark=False):
             raise RuntimeError("cannot swap in: sequence not swapped out or device pool too small")
-        device, host = self.device_pool, self.host_pool
-        mapping: dict[int, int] = {}
-        pairs = []
+        pairs = self._move(seqs, self.host_pool, self.device_pool, HOST_NULL, NULL_BLOCK)
         for s in seqs:
-            device_table = []
-            for h in s.block_table:
-                d = mapping.get(h)
-                if d is None:
-                    d = device.get_new_block()
-                    mapping[h] = d
-                    pairs.append((h, d))
-                else:
-                    device.touch((d,))
-                device_table.append(d)
-            host.free(s.block_table)
-            s.block_table = device_table
-            s.num_registered_blocks = 0  # fresh blocks: register again once computed
             del self._host_seqs[s.seq_id]
             self._device_seqs[s.seq_id] = s
         self.num_blocks_swapped_in += len(pairs)
@@ -497,17 +620,29 @@ class BlockManager:
         for s in self._device_seqs.values():
             if s.seq_id in self._host_seqs:
                 fail(f"sequence {s.seq_id} is on device and host")
-            if len(s.block_table) * self.block_size < s.num_computed_tokens:
-                fail(f"sequence {s.seq_id}: table too short for its computed tokens")
-            for b in s.block_table:
-                if not 0 < b < n:
-                    fail(f"sequence {s.seq_id} holds invalid block {b}")
-                counts[b] += 1
+            if len(tables(s)) != self.num_groups:
+                fail(f"sequence {s.seq_id} holds {len(tables(s))} tables for "
+                     f"{self.num_groups} KV groups")
+            for g, (w, table) in enumerate(zip(self.windows, tables(s))):
+                if len(table) * self.block_size < s.num_computed_tokens:
+                    fail(f"sequence {s.seq_id}: table too short for its computed tokens")
+                freed = s.num_window_freed[g] if w is not None and s.num_window_freed else 0
+                if freed > self._first_live(w or 1, max(s.num_computed_tokens, len(table) * self.block_size)):
+                    fail(f"sequence {s.seq_id}: group {g} gave back blocks its window still reads")
+                for i, b in enumerate(table):
+                    if b == NULL_BLOCK and i < freed:
+                        continue      # given back by the window
+                    if not 0 < b < n:
+                        fail(f"sequence {s.seq_id} holds invalid block {b}")
+                    counts[b] += 1
         self.device_pool.check_invariants(counts)
         host_counts = [0] * self.num_host_blocks
         for s in self._host_seqs.values():
-            for h in s.block_table:
-                if not 0 <= h < self.num_host_blocks:
-                    fail(f"sequence {s.seq_id} holds invalid host block {h}")
-                host_counts[h] += 1
+            for table in tables(s):
+                for h in table:
+                    if h == HOST_NULL:
+                        continue
+                    if not 0 <= h < self.num_host_blocks:
+                        fail(f"sequence {s.seq_id} holds invalid host block {h}")
+                    host_counts[h] += 1
         self.host_pool.check_invariants(host_counts)

@@ -80,10 +80,13 @@ def kv_layout(cfg: ModelConfig) -> KVLayout:
     return KVLayout(tuple(groups), slots)
 
 
-def blocks_for_tokens(window: int | None, num_tokens: int, block_size: int) -> int:
-    """Blocks one group holds at most for a sequence of `num_tokens` tokens: all of them for
-    full attention, for a window the blocks it can span plus the one being written."""
+def blocks_held(window: int | None, num_tokens: int, block_size: int,
+                chunk: int | None = None) -> int:
+    """Blocks one group holds at most for a sequence of `num_tokens` tokens computed in
+    chunks of at most `chunk` tokens (None: at once): all of them for full attention; for a
+    window, the blocks the window and the chunk being written can span."""
     full = -(-num_tokens // block_size)
     if window is None:
         return full
-    return min(full, -(-(window - 1) // block_size) + 1)
+    step = num_tokens if chunk is None else min(chunk, num_tokens)
+    return min(full, -(-(window - 1 + step) // block_size) + 1)

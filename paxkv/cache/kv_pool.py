@@ -1,6 +1,9 @@
 """The KV page pool: a pytree value holding every layer's K and V pages.
 
-Layout per layer: `k[l], v[l]` of shape `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout per slot: `k[s], v[s]` of shape `[num_blocks, block_size, num_kv_heads, head_dim]`. A
+block id holds `slots` layer pages (`cache/kv_layout.py`): for a model whose layers all
+attend alike there is one slot per layer (`k[l]` is layer l's), for one with several KV
+groups layer l's pages are slot `slot_of(l)` of the blocks in its group's table.
 Block 0 is the null block: padding tokens write there and padding rows of block tables point
 there, so no kernel ever needs a bounds check for padding. The pool is never mutated: `write`
 returns a new pool, and the jitted step donates the old one so XLA updates it in place.
@@ -18,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.cache import quant
+from paxkv.cache.kv_layout import kv_layout
 from paxkv.config import ModelConfig
 
 
@@ -60,24 +64,21 @@ def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.bflo
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     storage = quant.storage_dtype(kv_cache_dtype, dtype)
     shape = page_shape(cfg, num_blocks, block_size)
-    k = tuple(jnp.zeros(shape, storage) for _ in range(cfg.num_layers))
-    v = tuple(jnp.zeros(shape, storage) for _ in range(cfg.num_layers))
+    slots = kv_layout(cfg).slots
+    k = tuple(jnp.zeros(shape, storage) for _ in range(slots))
+    v = tuple(jnp.zeros(shape, storage) for _ in range(slots))
     if not quant.is_quantized(storage):
         return KVPool(k, v)
-    ks = tuple(jnp.zeros(shape[:3], quant.SCALE_DTYPE) for _ in range(cfg.num_layers))
-    vs = tuple(jnp.zeros(shape[:3], quant.SCALE_DTYPE) for _ in range(cfg.num_layers))
+    ks = tuple(jnp.zeros(shape[:3], quant.SCALE_DTYPE) for _ in range(slots))
+    vs = tuple(jnp.zeros(shape[:3], quant.SCALE_DTYPE) for _ in range(slots))
     return KVPool(k, v, ks, vs)
-
-
-def pool_bytes_per_block(cfg: ModelConfig, block_size: int, bytes_per_element: float) -> float:
-    """Device bytes one block costs over all layers, K and V (pages only, no scales)."""
-    return block_size * cfg.kv_bytes_per_token(bytes_per_element)
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype) -> int:
     """Device bytes one block of a pool stored in `dtype` costs: pages plus, when quantized,
     their scales. `init_pool(...)` allocates exactly `num_blocks * block_bytes(...)`."""
-    pages, scales = quant.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    pages, scales = quant.bytes_per_token(kv_layout(cfg).slots, cfg.num_kv_heads, cfg.head_dim,
+                                          dtype)
     return block_size * (pages + scales)
 
 

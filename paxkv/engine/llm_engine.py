@@ -22,6 +22,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 from paxkv.cache.block_manager import BlockManager
+from paxkv.cache.kv_layout import kv_layout
 from paxkv.config import EngineConfig, ModelConfig
 from paxkv.engine.beam_search import BeamSearchOutput, BeamState
 from paxkv.engine.output_processor import OutputProcessor
@@ -88,7 +89,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         sc, cc = config.scheduler, config.cache
         self.max_model_len = sc.max_model_len
-        self.block_manager = BlockManager(cc)
+        self.kv_layout = kv_layout(self.model_config)
+        self.block_manager = BlockManager(cc, self.kv_layout.windows())
         self.scheduler = Scheduler(sc, cc, self.block_manager)
         self.metrics = Metrics(num_blocks=self.block_manager.num_blocks)
         self.requests: dict[str, EngineRequest] = {}
@@ -276,7 +278,7 @@ class LLMEngine:
                 if item_features is not None:
                     feature_items.append(i)
             items.append(WorkItem(seq.token_ids[start:start + c.num_tokens], start,
-                                  seq.block_table, item_features))
+                                  seq.block_table, item_features, seq.group_tables))
             if c.needs_sample:
                 r = self._rows_for(i, seq, req, index)
                 rows += r

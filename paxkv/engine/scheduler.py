@@ -44,10 +44,6 @@ from paxkv.engine.sequence import Sequence, SequenceStatus
 _RUNNING = SequenceStatus.RUNNING
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclasses.dataclass(slots=True)
 class ScheduledChunk:
     """Compute `seq.token_ids[start:start + num_tokens]` this step.
@@ -217,14 +213,16 @@ class Scheduler:
         """Queue a new sequence (status WAITING, no blocks, nothing computed)."""
         if seq.seq_id in self._priority:
             raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+        if (seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table
+                or seq.group_tables):
             raise ValueError(f"sequence {seq.seq_id} must be new (WAITING, nothing computed, "
                              f"no blocks), got {seq!r}")
         if seq.num_tokens > self.cfg.max_model_len:
             raise ValueError(f"prompt_token_ids has {seq.num_tokens} tokens, more than "
                              f"max_model_len ({self.cfg.max_model_len})")
         bm = self.block_manager
-        if _cdiv(seq.num_tokens, self.block_size) > bm.num_blocks - 1 - bm.watermark_blocks:
+        need = bm.blocks_per_sequence(seq.num_tokens, self.cfg.max_num_batched_tokens)
+        if need > bm.num_blocks - 1 - bm.watermark_blocks:
             raise ValueError(f"prompt_token_ids ({seq.num_tokens} tokens) cannot fit the KV pool "
                              f"({bm.num_blocks - 1} blocks of {self.block_size}, "
                              f"{bm.watermark_blocks} kept free)")
@@ -549,7 +547,7 @@ class Scheduler:
         """
         bm = self.block_manager
         max_len = self.cfg.max_model_len
-        per_seq = _cdiv(max_len, self.block_size)
+        per_seq = bm.blocks_per_sequence(max_len, self.cfg.max_num_batched_tokens)
         reserved_for_forks = 0
         seats = 0
         while self._waiting:

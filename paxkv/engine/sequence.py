@@ -72,7 +72,9 @@ class Sequence:
     """Tokens and cache bookkeeping of one stream (see the module docstring for the rule).
 
     `block_table` (physical block ids, one per `block_size` tokens; host ids while SWAPPED),
-    `block_hashes` and `num_registered_blocks` are maintained by the `BlockManager`.
+    `group_tables` (the tables of KV groups 1.. for models with several, `cache/kv_layout.py`),
+    `num_window_freed`, `block_hashes` and `num_registered_blocks` are maintained by the
+    `BlockManager`.
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: Any,
@@ -104,6 +106,8 @@ class Sequence:
         self.skip_prefix_cache = False
         # Owned by the BlockManager.
         self.block_table: list[int] = []
+        self.group_tables: list[list[int]] = []
+        self.num_window_freed: list[int] = []   # per group: leading entries a window gave back
         self.block_hashes: list[tuple[int | None, tuple[int, ...]]] = []
         self.num_registered_blocks = 0
 
@@ -176,6 +180,8 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.block_table = []
+        child.group_tables = []
+        child.num_window_freed = []
         child.block_hashes = list(self.block_hashes)
         child.finish_reason = None
         child.stop_reason = None

@@ -20,8 +20,9 @@ class WorkItem:
 
     token_ids: Sequence[int]     # the tokens computed this step
     start: int                   # position of the first of them
-    block_table: Sequence[int]
+    block_table: Sequence[int]   # KV group 0's table (the only one of most models)
     features: ItemFeatures | None = None   # prompt logprobs / hidden states wanted back
+    group_tables: Sequence[Sequence[int]] = ()   # KV groups 1.. (`cache/kv_layout.py`)
 
 
 class SampleRow(NamedTuple):

@@ -87,8 +87,10 @@ class PagedAttention:
         if plan.fused and mesh is not None:
             raise ValueError("the fused layer kernels run on one device (AttentionPlan.fused "
                              "with a mesh)")
+        from paxkv.cache.kv_layout import kv_layout
         self.cfg, self.batch, self.plan = cfg, batch, plan
         self.decode_only, self.mesh = decode_only, mesh
+        self.layout = kv_layout(cfg)
         self.interpret = jax.default_backend() != "gpu"
         self.rope = None
         if plan.fused:
@@ -97,19 +99,22 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: jax.Array, k: jax.Array | None, v: jax.Array | None,
                  pool: KVPool) -> tuple[jax.Array, KVPool]:
-        one = kvp.layer_of(pool, layer)
+        slot = self.layout.slot_of(layer)
+        batch = self.batch.group_view(self.layout.group_of(layer))
+        one = kvp.layer_of(pool, slot)
         if self.mesh is None:
-            out, one = self.layer(layer, q, k, v, one, self.batch)
+            out, one = self.layer(layer, q, k, v, one, batch)
         else:
             from paxkv.parallel.attention import per_device
             out, one = per_device(lambda *a: self.layer(layer, *a), self.mesh, one.quantized)(
-                q, k, v, one, self.batch)
-        return out, kvp.with_layer(pool, layer, one)
+                q, k, v, one, batch)
+        return out, kvp.with_layer(pool, slot, one)
 
     def layer(self, layer: int, q: jax.Array, k: jax.Array | None, v: jax.Array | None,
               one: KVPool, batch: StepBatch) -> tuple[jax.Array, KVPool]:
-        """Layer `layer`'s write and attention over `one`, a pool of that layer alone (under
-        tensor parallelism: this device's heads of it)."""
+        """Layer `layer`'s write and attention over `one`, a pool of that layer's pages alone
+        (under tensor parallelism: this device's heads of it), through `batch` as its KV
+        group sees it."""
         window = self.cfg.layer_window(layer)
         if self.plan.fused:    # q holds the packed, unrotated q/k/v heads
             cos, sin = self.rope[self.cfg.layer_rope(layer)]

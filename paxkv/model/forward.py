@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from paxkv.cache.kv_layout import kv_layout
 from paxkv.cache.kv_pool import KVPool
 from paxkv.config import ModelConfig
 from paxkv.model.attention import AttentionPlan, PagedAttention
@@ -25,13 +26,16 @@ Params = Any  # nested dict of arrays, the Linen "params" collection
 def _check_batch(batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig) -> None:
     if batch.token_ids.ndim != 1:
         raise ValueError(f"forward: batch.token_ids must be 1-D [T], got shape {batch.token_ids.shape}")
-    for field in ("positions", "slot_mapping"):
-        if getattr(batch, field).shape != batch.token_ids.shape:
-            raise ValueError(f"forward: batch.{field} shape {getattr(batch, field).shape} != "
-                             f"token_ids shape {batch.token_ids.shape}")
-    if kv_pool.num_layers != cfg.num_layers:
-        raise ValueError(f"forward: kv_pool has {kv_pool.num_layers} layers, "
-                         f"cfg.num_layers={cfg.num_layers}")
+    if batch.positions.shape != batch.token_ids.shape:
+        raise ValueError(f"forward: batch.positions shape {batch.positions.shape} != "
+                         f"token_ids shape {batch.token_ids.shape}")
+    if batch.slot_mapping.shape[-1:] != batch.token_ids.shape:
+        raise ValueError(f"forward: batch.slot_mapping shape {batch.slot_mapping.shape} does not "
+                         f"end in token_ids' {batch.token_ids.shape}")
+    slots = kv_layout(cfg).slots
+    if kv_pool.num_layers != slots:
+        raise ValueError(f"forward: kv_pool has {kv_pool.num_layers} layer slots, the model's "
+                         f"KV layout {slots}")
     if kv_pool.k[0].shape[2:] != (cfg.num_kv_heads, cfg.head_dim):
         raise ValueError(f"forward: kv_pool pages {kv_pool.k[0].shape} do not hold "
                          f"{cfg.num_kv_heads} kv heads of dim {cfg.head_dim}")

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from paxkv.config import CacheConfig, EngineConfig, RunnerConfig
+from paxkv.cache.kv_layout import kv_layout
 from paxkv.engine.step_io import SampleRow, WorkItem
 
 logger = logging.getLogger("paxkv")
@@ -36,7 +37,9 @@ def profile_activation_bytes(config: RunnerConfig, params: Any, mesh: Any = None
     largest = dataclasses.replace(config, fixed_shapes=True, block_buckets=config.block_buckets[-1:])
     runner = Runner(params, largest, mesh)
     tokens = min(config.max_num_batched_tokens, config.max_model_len - 1)
-    item = WorkItem([0] * tokens, 0, [0] * math.ceil(tokens / config.block_size))
+    table = [0] * math.ceil(tokens / config.block_size)
+    item = WorkItem([0] * tokens, 0, table, None,
+                    [table] * (kv_layout(config.model).num_groups - 1))
     try:
         rows = [SampleRow(0, temperature=1.0, top_p=0.9, seed=i) for i in range(config.max_num_seqs)]
         return runner.step_scratch_bytes([item], rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from paxkv.config import RunnerConfig
+from paxkv.cache.kv_layout import kv_layout
 from paxkv.engine.step_io import SampleRow, WorkItem
 from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 
@@ -63,14 +64,20 @@ def dummy_step(shape: StepShape, config: RunnerConfig,
     """Work items and rows that pack to `shape`, every token written to the null block;
     the rows sample with `sampler` ((temperature, top_p), one of `SAMPLERS`)."""
     bs = config.block_size
+    extra_groups = kv_layout(config.model).num_groups - 1
+
+    def item(q: int) -> WorkItem:
+        table = [NULL_BLOCK] * -(-q // bs)
+        return WorkItem([0] * q, 0, table, None, [table] * extra_groups)
+
     if shape.decode_only:
-        items = [WorkItem([0], 0, [NULL_BLOCK]) for _ in range(shape.num_tokens)]
+        items = [item(1) for _ in range(shape.num_tokens)]
     else:
         chunk = min(config.max_model_len, shape.num_tokens)
         items, left = [], shape.num_tokens
         while left:
             q = min(chunk, left)
-            items.append(WorkItem([0] * q, 0, [NULL_BLOCK] * -(-q // bs)))
+            items.append(item(q))
             left -= q
     temperature, top_p = sampler
     rows = [SampleRow(i % len(items), temperature, top_p=top_p, seed=i) for i in range(shape.num_rows)]

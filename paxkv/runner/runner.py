@@ -151,7 +151,9 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
 
     def body(j, carry):
         pool, tokens, positions, context, out_tok, out_lp = carry
-        slots = batch.block_tables[rows, positions // block_size] * block_size + positions % block_size
+        # [S] slots, or [G, S] with several KV groups (their tables' leading axis)
+        slots = (batch.block_tables[..., rows, positions // block_size] * block_size
+                 + positions % block_size)
         slots = jnp.where(valid, slots, rows % block_size)
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
@@ -304,14 +306,23 @@ class Runner:
     # ---- the step -----------------------------------------------------------------------
     _table_rows: dict[tuple[int, int], TableRows] | None = None   # per table shape, made on use
 
-    def _table_rows_of(self, num_seqs: int, width: int) -> TableRows:
+    def _table_rows_of(self, num_seqs: int, width: int, group: int = 0) -> TableRows:
         """The last packed block tables of this shape (most rows are unchanged next step)."""
         if self._table_rows is None:
             self._table_rows = {}
-        rows = self._table_rows.get((num_seqs, width))
+        rows = self._table_rows.get((num_seqs, width, group))
         if rows is None:
-            rows = self._table_rows[num_seqs, width] = TableRows(num_seqs, width)
+            rows = self._table_rows[num_seqs, width, group] = TableRows(num_seqs, width)
         return rows
+
+    def _group_tables(self, items: Sequence[WorkItem], num_seqs: int, width: int,
+                      tables: np.ndarray) -> np.ndarray:
+        """`[G, S, width]`: group 0's packed `tables` and every other KV group's."""
+        groups = [tables]
+        for g in range(1, len(items[0].group_tables) + 1):
+            groups.append(self._table_rows_of(num_seqs, width, g).fill(
+                [it.group_tables[g - 1] for it in items]))
+        return np.stack(groups)
 
     def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
         """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
@@ -327,6 +338,9 @@ class Runner:
             num_seqs = self.seq_buckets[-1]
         width = pick_bucket(max(map(len, block_tables)), self.block_buckets)
         tables = self._table_rows_of(num_seqs, width).fill(block_tables)
+        grouped = n > 0 and len(items[0].group_tables) > 0
+        if grouped:   # several KV groups: [G, S, width] tables, [G, T] slots
+            tables = self._group_tables(items, num_seqs, width, tables)
         starts = np.fromiter(map(_START, items), np.int32, n)
         cu = np.zeros(num_seqs + 1, np.int32)
         np.cumsum(q_lens, out=cu[1:n + 1])
@@ -340,7 +354,11 @@ class Runner:
             positions = np.zeros(num_tokens, np.int32)
             positions[:n] = starts
             slots = np.arange(num_tokens, dtype=np.int32) % bs
-            slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
+            if grouped:
+                slots = np.tile(slots, (tables.shape[0], 1))
+                slots[:, :n] = tables[:, np.arange(n), starts // bs] * bs + starts % bs
+            else:
+                slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
         else:
             num_tokens = pick_bucket(int(cu[n]), self.token_buckets)
             tokens = np.zeros(num_tokens, np.int32)
@@ -354,7 +372,11 @@ class Runner:
                 rows[a:b] = i
             real = slice(0, int(cu[n]))
             pos = positions[real]
-            slots[real] = tables[rows[real], pos // bs] * bs + pos % bs
+            if grouped:
+                slots = np.tile(slots, (tables.shape[0], 1))
+                slots[:, real] = tables[:, rows[real], pos // bs] * bs + pos % bs
+            else:
+                slots[real] = tables[rows[real], pos // bs] * bs + pos % bs
         logits_idx = np.maximum(cu[1:] - 1, 0).astype(np.int32)
         return StepBatch(tokens, positions, slots, tables, context, cu, logits_idx), decode_only
 
@@ -422,7 +444,7 @@ class Runner:
         st, mode, _ = self.pack_sampling(padded)
         st = jax.tree.map(lambda x: x[:num_seqs], st)
         pack_s = time.perf_counter() - t0
-        key = ("multi", num_seqs, batch.block_tables.shape[1], st.banned.shape[1], mode, num_steps)
+        key = ("multi", num_seqs, batch.block_tables.shape[-1], st.banned.shape[1], mode, num_steps)
         new = key not in self.compiled_keys
         inputs, spec = _pack_inputs(batch, st, self.mesh)
         out, self._last_tokens, self.kv_pool = _jit_multi_decode(

@@ -33,10 +33,16 @@ def prefix_ids(token_ids: list[int]) -> list[int]:
 
 
 class KVContentModel:
-    """What each device / host block slot holds; raises AssertionError on a wrong read."""
+    """What each device / host block slot holds; raises AssertionError on a wrong read.
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    `windows`: each KV group's sliding window (None: full attention), as the block manager
+    has them; a chunk reads each group's table only where that group's window reaches.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
+        self.windows = tuple(windows)
         self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
 
@@ -62,30 +68,45 @@ class KVContentModel:
             raise AssertionError(f"chunk of seq {seq.seq_id} [{chunk.start}, {end}) is out of range")
         if chunk.needs_sample != (end == seq.num_tokens):
             raise AssertionError(f"chunk of seq {seq.seq_id}: needs_sample is wrong")
-        if len(seq.block_table) * bs < end:
-            raise AssertionError(f"seq {seq.seq_id}: table covers {len(seq.block_table) * bs} < {end}")
         ids = prefix_ids(seq.token_ids) if ids is None else ids
-        table = seq.block_table
-        for p in range(chunk.start):
-            got = self.device[table[p // bs]][p % bs]
-            if got != ids[p]:
-                raise AssertionError(f"seq {seq.seq_id} reads wrong K/V at position {p} "
-                                     f"(block {table[p // bs]})")
-        for p in range(chunk.start, end):
-            block = table[p // bs]
-            if block == 0:
-                raise AssertionError(f"seq {seq.seq_id} writes into the null block")
-            self.device[block][p % bs] = ids[p]
+        for g, (window, table) in enumerate(self._tables(seq)):
+            if len(table) * bs < end:
+                raise AssertionError(f"seq {seq.seq_id} group {g}: table covers "
+                                     f"{len(table) * bs} < {end}")
+            for p in range(self._first_read(window, chunk.start), chunk.start):
+                got = self.device[table[p // bs]][p % bs]
+                if got != ids[p]:
+                    raise AssertionError(f"seq {seq.seq_id} group {g} reads wrong K/V at "
+                                         f"position {p} (block {table[p // bs]})")
+            for p in range(chunk.start, end):
+                block = table[p // bs]
+                if block == 0:
+                    raise AssertionError(f"seq {seq.seq_id} group {g} writes into the null block")
+                self.device[block][p % bs] = ids[p]
+
+    def _tables(self, seq: Sequence) -> list[tuple[int | None, list[int]]]:
+        tables = [seq.block_table, *seq.group_tables]
+        if len(tables) != len(self.windows):
+            raise AssertionError(f"seq {seq.seq_id} holds {len(tables)} tables for "
+                                 f"{len(self.windows)} KV groups")
+        return list(zip(self.windows, tables))
+
+    def _first_read(self, window: int | None, start: int) -> int:
+        """The first position a query at `start` (or later) reads through `window`."""
+        return 0 if window is None else max(0, start - window + 1)
 
     def check_sequence(self, seq: Sequence) -> None:
-        """Every computed position of a device-resident sequence holds its own K/V."""
+        """Every computed position a device-resident sequence can still read holds its own
+        K/V (in a sliding group, those its window still covers)."""
         bs = self.block_size
         ids = prefix_ids(seq.token_ids)
         pool = self.host if seq.status is SequenceStatus.SWAPPED else self.device
-        for p in range(seq.num_computed_tokens):
-            if pool[seq.block_table[p // bs]][p % bs] != ids[p]:
-                raise AssertionError(f"seq {seq.seq_id} ({seq.status.name}) lost its K/V at "
-                                     f"position {p}")
+        for g, (window, table) in enumerate(self._tables(seq)):
+            for p in range(self._first_read(window, seq.num_computed_tokens),
+                           seq.num_computed_tokens):
+                if pool[table[p // bs]][p % bs] != ids[p]:
+                    raise AssertionError(f"seq {seq.seq_id} ({seq.status.name}) group {g} lost "
+                                         f"its K/V at position {p}")
 
 
 @dataclasses.dataclass
@@ -127,7 +148,8 @@ def run_checked(scheduler: Scheduler, requests: list[CheckRequest], vocab: int =
     the sequences that were running before it.
     """
     bm = scheduler.block_manager
-    model = KVContentModel(bm.num_blocks, bm.block_size, bm.num_host_blocks) if check else None
+    model = (KVContentModel(bm.num_blocks, bm.block_size, bm.num_host_blocks, bm.windows)
+             if check else None)
     rng = random.Random(seed)
     abort = dict(abort or {})
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
