@@ -107,3 +107,23 @@ def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
     from paxkv.model.gguf_file import GGUFCheckpoint
     with pytest.raises(ValueError, match="general.architecture"):
         GGUFCheckpoint(path)
+
+
+@needs_file
+@pytest.mark.slow
+def test_server_serves_the_gguf_file_with_its_chat_template():
+    """`paxkv serve <file>.gguf`: the model, tokenizer and chat template from the file."""
+    import httpx
+
+    from serve_helpers import ServerProcess
+    server = ServerProcess([PATH, "--dtype", "float32", "--max-model-len", "512",
+                            "--num-gpu-blocks-override", "64"])
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": PATH, "messages": QUESTION, "max_tokens": 32, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == "The capital of France is Paris."
+        assert choice["finish_reason"] == "stop"
+    finally:
+        server.stop()
