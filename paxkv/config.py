@@ -7,9 +7,8 @@ dataclasses read by host code only.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, Mapping
+
+from pallas_kernels.arith import cdiv
 
 DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -139,21 +138,6 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
 
-def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, name: str = "hf") -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json (a dict, the file, or its dir):
-    the family its `architectures` names parses it (`paxkv/model/registry.py`)."""
-    if not isinstance(config, Mapping):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.exists(path):
-            raise ValueError(f"config.json not found: {path}")
-        with open(path) as f:
-            config = json.load(f)
-    from paxkv.model.registry import family_for_hf_config   # local: the families are model code
-    return family_for_hf_config(config).config_from_hf(config, name)
-
-
 _LLAMA3_8B = ModelConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
     num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -178,15 +162,10 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_preset(name: str) -> ModelConfig:
-    if name == "tiny":
-        from paxkv.assets import tiny_model_dir  # local import: keeps config import light
-        path = tiny_model_dir()
-        if path is not None:
-            return from_hf_config(path, name="tiny")
-        return PRESETS["tiny-random"]
+    """A preset's shape (random weights). "tiny", the trained embedded model, is a checkpoint:
+    `LLM("tiny")` loads it (`paxkv/assets`)."""
     if name not in PRESETS:
-        raise ValueError(f"model {name!r} is not a preset ({sorted(PRESETS) + ['tiny']}) "
-                         "nor a checkpoint directory")
+        raise ValueError(f"model {name!r} is not a preset ({sorted(PRESETS)})")
     return PRESETS[name]
 
 
@@ -329,7 +308,7 @@ def check_pool_fits(cache: CacheConfig, scheduler: SchedulerConfig,
     of every layer when `model` is None. (EngineConfig checks it; a scheduler built by hand,
     as the simulator does, calls it.)"""
     blocks, bs, max_len = cache.num_gpu_blocks, cache.block_size, scheduler.max_model_len
-    need = _cdiv(max_len, bs) + 1
+    need = cdiv(max_len, bs) + 1
     if model is not None:
         from paxkv.cache.kv_layout import kv_layout, blocks_held   # (kv_layout imports this)
         need = 1 + sum(blocks_held(w, max_len, bs, scheduler.max_num_batched_tokens)
@@ -401,7 +380,7 @@ class RunnerConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return _cdiv(self.max_model_len, self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
 
 def resolve_dtype(dtype: str, platform: str) -> str:
@@ -441,7 +420,7 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
     num_blocks = cache.num_gpu_blocks if sized else PROFILE_NUM_BLOCKS
     num_host_blocks = cache.num_cpu_blocks if sized else 0
     min_seqs, min_tokens = (8, 256) if on_gpu else (4, 16)
-    max_blocks = _cdiv(sched.max_model_len, cache.block_size)
+    max_blocks = cdiv(sched.max_model_len, cache.block_size)
     return RunnerConfig(
         model=engine.model, dtype=dtype, kv_cache_dtype=kv, attention_backend=backend,
         attention=AttentionPlan.for_backend(backend, engine.tensor_parallel_size > 1),
@@ -454,10 +433,6 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
         row_buckets=pow2_buckets(4, max(4, sched.max_num_seqs * 4)),
         copy_buckets=pow2_buckets(4, max(4, num_blocks)),
         tensor_parallel_size=engine.tensor_parallel_size)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -13,7 +13,8 @@ from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from paxkv.engine.beam_search import BeamSearchOutput, run_beam_search
 from paxkv.engine.llm_engine import LLMEngine, Prompt
 from paxkv.engine.request_features import POOLINGS, EncodeSpec, RequestFeatures
-from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, check_hidden_layers, check_int_list
+from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, check_hidden_layers
+from paxkv.field_checks import check_int_list
 from paxkv.metrics import Metrics
 from paxkv.outputs import EncodeOutput, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, SamplingParams
@@ -45,7 +46,9 @@ def _resolve_model(model: str | ModelConfig) -> tuple[str | None, ModelConfig | 
         path = tiny_model_dir()
         if path is not None:
             return path, None
-    if model in PRESETS or model == "tiny":
+    if model == "tiny":   # not trained yet: its shape with random weights
+        return None, get_preset("tiny-random")
+    if model in PRESETS:
         return None, get_preset(model)
     raise ValueError(f"model {model!r} is neither a checkpoint directory, a GGUF file nor a "
                      f"preset ({sorted(PRESETS) + ['tiny', SMOLLM2_PRESET]})")

@@ -1,7 +1,7 @@
 """User-facing request parameters (vLLM's names), validated at construction.
 
 Host-only: no JAX. A bad field raises ValueError (TypeError for a wrong type) naming it,
-before anything is scheduled; `engine/validation.py` holds the checks, and the limits that
+before anything is scheduled; `field_checks.py` holds the checks, and the limits that
 need the engine (vocabulary, `max_logprobs`) run at `add_request`.
 """
 from __future__ import annotations
@@ -11,8 +11,7 @@ import enum
 import json as _json
 from typing import Any, Mapping, Sequence
 
-from paxkv.engine.validation import (check_bool, check_float, check_int, check_int_list,
-                                     check_str_list)
+from paxkv.field_checks import check_bool, check_float, check_int, check_int_list, check_str_list
 
 # OpenAI's ranges for the penalties and the logit bias.
 PENALTY_RANGE = 2.0

@@ -128,9 +128,9 @@ def has_tokenizer_files(path: str | os.PathLike) -> bool:
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     """The checkpoint's tokenizer (a GGUF file's own, with its chat template), or None when it
     has no tokenizer files."""
-    from paxkv.model.gguf_file import gguf_tokenizer, is_gguf   # plain numpy until used
+    from paxkv.model.gguf_file import gguf_hf_tokenizer, is_gguf   # plain numpy until used
     if is_gguf(path):
-        return gguf_tokenizer(path)
+        return Tokenizer(*gguf_hf_tokenizer(path))
     if not has_tokenizer_files(path):
         return None
     return Tokenizer.from_pretrained(path)

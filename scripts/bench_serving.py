@@ -117,8 +117,8 @@ def vocab_size() -> int:
     from paxkv.llm import _resolve_model
     path, cfg = _resolve_model(FLAGS.model)
     if cfg is None:
-        from paxkv.config import from_hf_config
-        cfg = from_hf_config(path)
+        from paxkv.model.weights import checkpoint_config
+        cfg = checkpoint_config(path)
     return cfg.vocab_size
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from paxkv.assets import tiny_model_dir
-from paxkv.config import from_hf_config, get_preset
+from paxkv.model.registry import config_from_hf
 from paxkv.model.dense import dense_forward, greedy_generate
 from paxkv.model.weights import load_checkpoint
 
@@ -90,11 +90,12 @@ def test_shipped_dir_is_a_small_complete_hf_checkpoint(model_dir, model):
     size = sum(os.path.getsize(os.path.join(model_dir, n)) for n in names)
     assert size < 25 * 2**20
     params, cfg = model
-    assert cfg == from_hf_config(model_dir, name=cfg.name)
+    assert cfg == config_from_hf(model_dir, name=cfg.name)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 2, 32)  # GQA
     assert cfg.vocab_size == 4096 and cfg.tie_word_embeddings
     assert 3_000_000 < cfg.num_params() < 6_000_000
-    assert get_preset("tiny").vocab_size == cfg.vocab_size
+    from paxkv.config import get_preset
+    assert get_preset("tiny-random").vocab_size == cfg.vocab_size   # its random stand-in
     assert params["embed_tokens"]["embedding"].shape == (cfg.vocab_size, cfg.hidden_size)
 
 

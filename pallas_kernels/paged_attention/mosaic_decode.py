@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.arith import cdiv
+
 LOG2E = 1.4426950408889634
 Q_TILE_ROWS = 64          # wgmma's M
 # A producer warpgroup issuing the copies beat one warpgroup doing both at every measured
@@ -49,10 +51,6 @@ SWIZZLE = 128             # bytes
 def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _transposed(ref):
@@ -207,8 +205,8 @@ def _decode_kernel(lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s
     width = table_ref.shape[1]
 
     first_page = s * pages_per_split
-    last_page = jnp.minimum(_cdiv(length, block_size), first_page + pages_per_split)
-    num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), ppcb)
+    last_page = jnp.minimum(cdiv(length, block_size), first_page + pages_per_split)
+    num_iters = cdiv(jnp.maximum(last_page - first_page, 0), ppcb)
     first_token = first_page * block_size
     num_full = jnp.minimum(jnp.maximum(length - first_token, 0) // block_k, num_iters)
 
@@ -350,7 +348,7 @@ def unsupported(q, k_pages, k_scale, pages_layout: str, pages_per_compute_block:
 def query_rows(group: int) -> int:
     """Rows of the query copy per KV head: the group rounded up to 8 (a TMA box of whole
     swizzle tiles), at most the 64-row tile."""
-    rows = _cdiv(group, 8) * 8
+    rows = cdiv(group, 8) * 8
     if rows > Q_TILE_ROWS:
         raise ValueError(f"mosaic decode packs at most {Q_TILE_ROWS} query heads per KV head, "
                          f"got {group}")

@@ -43,15 +43,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.arith import cdiv
 from pallas_kernels.paged_attention import mosaic_decode, paging, tuning
 from pallas_kernels.paged_attention.combine import combine_splits_kernel
 
 LOG2E = 1.4426950408889634
 LAYOUTS = ("blocks_first", "heads_first")
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _split_full_steps(page_dtype) -> bool:
@@ -113,17 +110,17 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
     # 2,048-token table a 512-token context otherwise fell into 2 of its 8 splits, 2 loop
     # steps each. Whole loop steps per split, so no step crosses into the next split, and
     # never more pages than the table's padding gives each split (`paged_attention`).
-    length_pages = _cdiv(page_length, block_size)
+    length_pages = cdiv(page_length, block_size)
     # With a window, the query (at `length - 1`) sees keys from `window_start` on; the
     # splits start at its page, rounded down to a whole loop step so every step's pages stay
     # inside the table's padded width.
     window_start = 0 if window is None else jnp.maximum(length - window, 0)
     window_page = (window_start // block_size) // pages_per_compute_block * pages_per_compute_block
-    split_pages = (_cdiv(_cdiv(jnp.maximum(length_pages - window_page, 0), num_splits),
+    split_pages = (cdiv(cdiv(jnp.maximum(length_pages - window_page, 0), num_splits),
                          pages_per_compute_block) * pages_per_compute_block)
     first_page = window_page + s * split_pages
     last_page = jnp.minimum(length_pages, first_page + split_pages)
-    num_iters = _cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
+    num_iters = cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
 
     # Only a step that reaches past `length` needs masks: every step before it holds
     # `block_k` tokens of the sequence. Where that pays (`_split_full_steps`), those steps
@@ -223,7 +220,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
     pages, and at most `max_splits`. Measured on an H200: B=32/ctx 1024 -> 4, B=64/2048
     -> 2, B>=128 -> 1."""
     programs = batch * num_kv_heads
-    want = _cdiv(num_sms * programs_per_sm, max(programs, 1))
+    want = cdiv(num_sms * programs_per_sm, max(programs, 1))
     cap = max(1, max_pages // (2 * pages_per_compute_block))
     if max_splits is not None:
         cap = max(1, min(cap, max_splits))
@@ -348,8 +345,8 @@ def _split_plan(block_tables, batch: int, num_kv_heads: int, ppcb: int,
                                              max_splits=max_splits)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    pages_per_split = _cdiv(_cdiv(max_pages, splits), ppcb) * ppcb
-    splits = _cdiv(max_pages, pages_per_split)          # drop splits that would be empty
+    pages_per_split = cdiv(cdiv(max_pages, splits), ppcb) * ppcb
+    splits = cdiv(max_pages, pages_per_split)          # drop splits that would be empty
     width = splits * pages_per_split
     if width > max_pages:                               # pad with the null block
         block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_pages)))
@@ -441,7 +438,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                  mosaic_decode.unsupported(q, k_pages, k_scale, pages_layout, ppcb, interpret)))
     splits, pages_per_split, block_tables = _split_plan(
         block_tables, batch, num_kv_heads, ppcb, num_splits,
-        window_pages=None if window is None else _cdiv(window, block_size) + ppcb)
+        window_pages=None if window is None else cdiv(window, block_size) + ppcb)
 
     if backend == "mosaic":
         return mosaic_decode.decode(
@@ -535,7 +532,7 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
     _check_window(window)
     splits, _, block_tables = _split_plan(
         block_tables, batch, num_kv_heads, ppcb, num_splits, max_splits=ROPE_DECODE_MAX_SPLITS,
-        window_pages=None if window is None else _cdiv(window, block_size) + ppcb)
+        window_pages=None if window is None else cdiv(window, block_size) + ppcb)
     num_stages = paging.fit_num_stages(
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
         kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,

@@ -45,11 +45,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.arith import cdiv
 from pallas_kernels.paged_attention import mosaic_decode
+from pallas_kernels.ragged_paged_attention.work_list import build_work_list
 from pallas_kernels.paged_attention.mosaic_decode import (
     LOG2E,
     Q_TILE_ROWS,
-    _cdiv,
     _page_copier,
     _pipeline_scratch,
     _plgpu,
@@ -109,7 +110,7 @@ def _prefill_kernel(seq_ref, pos_ref, end_ref, table_ref, q_ref, k_ref, v_ref, o
     first_pos = pos_ref[w]                 # position of the tile's first query
     kv_end = end_ref[w]                    # keys [0, kv_end) may be visible
     width = table_ref.shape[1]
-    num_iters = _cdiv(kv_end, block_k)
+    num_iters = cdiv(kv_end, block_k)
     num_full = jnp.clip(first_pos + 1, 0, kv_end) // block_k
 
     def page_ids(step):
@@ -201,7 +202,6 @@ def work_items(cu_q_lens, context_lens, num_tokens: int, block_q: int):
     """Per grid item: sequence (clamped; the padding pseudo-sequence is `S`), position of its
     first query, keys it may see (0 for unused items), first token; and per token: its item
     and row block within the item. All int32, from `build_work_list`'s order."""
-    from pallas_kernels.ragged_paged_attention.ragged_paged_attention import build_work_list
     cu, work_seq, work_tile = build_work_list(cu_q_lens, num_tokens, block_q)
     num_seqs = context_lens.shape[0]
     lens = jnp.concatenate([context_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
@@ -215,7 +215,7 @@ def work_items(cu_q_lens, context_lens, num_tokens: int, block_q: int):
 
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     tok_seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), num_seqs).astype(jnp.int32)
-    tiles = _cdiv(jnp.maximum(cu[1:] - cu[:-1], 0), block_q)
+    tiles = cdiv(jnp.maximum(cu[1:] - cu[:-1], 0), block_q)
     ends = jnp.cumsum(tiles)
     offset = t - cu[tok_seq]
     tok_item = ends[tok_seq] - 1 - offset // block_q    # last tile of a sequence first

@@ -40,14 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.arith import cdiv
 from pallas_kernels.paged_attention import paging, tuning
 from pallas_kernels.ragged_paged_attention import mosaic_prefill
+from pallas_kernels.ragged_paged_attention.work_list import build_work_list
 
 LOG2E = 1.4426950408889634
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_ref, k_ref,
@@ -89,7 +87,7 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
         n_tok = jnp.minimum(block_q, q_end - tile_start)
         kv_end = jnp.clip(first_pos + n_tok, 0, ctx)         # keys the tile may see
         n_full = jnp.clip(first_pos + 1, 0, kv_end) // block_k
-        n_all = _cdiv(kv_end, block_k)
+        n_all = cdiv(kv_end, block_k)
 
         def step(kb, carry, masked: bool):
             page0 = kb * pages_per_compute_block
@@ -118,7 +116,7 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
             last_pos = first_pos + n_tok - 1
             first_block = jnp.maximum(first_pos - window + 1, 0) // block_k
             unmasked_from = jnp.maximum(
-                first_block, jnp.minimum(_cdiv(jnp.maximum(last_pos - window + 1, 0), block_k),
+                first_block, jnp.minimum(cdiv(jnp.maximum(last_pos - window + 1, 0), block_k),
                                          n_full))
             init = lax.fori_loop(first_block, unmasked_from, functools.partial(step, masked=True),
                                  init)
@@ -129,28 +127,6 @@ def _ragged_kernel(work_seq_ref, work_tile_ref, cu_ref, lens_ref, table_ref, q_r
         out = paging.normalize(acc, l)
         plgpu.store(o_ref.at[tok[:, None], head[:, None], cols], out.astype(o_ref.dtype),
                     mask=jnp.broadcast_to(row_valid[:, None], (rows, head_dim)))
-
-
-def build_work_list(cu_q_lens: jax.Array, num_tokens: int, block_q: int
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(sequence, tile) of every grid item, padding tokens as one last pseudo-sequence.
-
-    Returns `cu` `[S + 2]` (cu_q_lens with `num_tokens` appended), `work_seq` `[W]` (-1 for
-    unused items) and `work_tile` `[W]`, `W = cdiv(T, block_q) + S + 1` (static).
-    """
-    num_seqs = cu_q_lens.shape[0] - 1
-    cu = jnp.concatenate([cu_q_lens.astype(jnp.int32), jnp.full((1,), num_tokens, jnp.int32)])
-    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
-    tiles = _cdiv(q_lens, block_q)
-    ends = jnp.cumsum(tiles)
-    num_items = _cdiv(num_tokens, block_q) + num_seqs + 1
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
-    seq_c = jnp.minimum(seq, num_seqs)
-    within = w - (ends[seq_c] - tiles[seq_c])
-    tile = tiles[seq_c] - 1 - within                    # last tile of a sequence first
-    used = w < ends[-1]
-    return cu, jnp.where(used, seq_c, -1), jnp.where(used, tile, 0).astype(jnp.int32)
 
 
 def _ragged_call(q, k_tok, v_tok, ks_tok, vs_tok, block_tables, context_lens, cu_q_lens, *,

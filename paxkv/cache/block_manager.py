@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from paxkv.cache.block_pool import NULL_BLOCK, BlockPool
+from pallas_kernels.arith import cdiv
 from paxkv.cache.kv_layout import blocks_held
 from paxkv.config import CacheConfig
 
@@ -51,10 +52,6 @@ Plan = Iterable[tuple["Sequence", int]]  # (sequence, number of new tokens to co
 Copies = list[tuple[int, int]]         # (src, dst) block copies for the device to run
 
 __all__ = ["NULL_BLOCK", "BlockManager", "BlockKey", "Copies", "Plan"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _as_list(seqs: "Sequence | Iterable[Sequence]") -> list["Sequence"]:
@@ -321,7 +318,7 @@ class BlockManager:
         The one place both `blocks_to_allocate` and `can_allocate` count from (a subclass
         that reserves differently overrides this).
         """
-        want = _cdiv(num_tokens, self.block_size)
+        want = cdiv(num_tokens, self.block_size)
         if seq.seq_id in self._device_seqs:
             return sum(max(0, want - len(t)) for t in tables(seq))
         refs = self.device_pool.ref_counts
@@ -375,7 +372,7 @@ class BlockManager:
                 self.prefix_cache_hits += cached_tokens
             seq.num_registered_blocks = len(hits[0])
             self._device_seqs[seq.seq_id] = seq
-        want = _cdiv(num_tokens, self.block_size)
+        want = cdiv(num_tokens, self.block_size)
         for table in tables(seq):
             if want > len(table):
                 table.extend(pool.get_new_blocks(want - len(table)))
@@ -392,7 +389,7 @@ class BlockManager:
         total = 0
         for seq, n in plan:
             start = seq.num_computed_tokens
-            end_block = _cdiv(start + n, bs)
+            end_block = cdiv(start + n, bs)
             for table in ((seq.block_table,) if self._plain else tables(seq)):
                 stop = min(len(table), end_block)
                 for idx in range(start // bs, stop):
@@ -466,7 +463,7 @@ class BlockManager:
         pool = self.device_pool
         refs = pool.ref_counts
         start = seq.num_computed_tokens
-        end_block = _cdiv(start + num_new_tokens, bs)
+        end_block = cdiv(start + num_new_tokens, bs)
         copies = []
         for table in ((seq.block_table,) if self._plain else tables(seq)):
             for idx in range(start // bs, min(len(table), end_block)):

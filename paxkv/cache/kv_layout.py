@@ -23,8 +23,10 @@ Plain Python (host side): the block manager, the runner and the pool all read th
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from paxkv.config import ModelConfig
+if TYPE_CHECKING:   # config.py reads the layout: no import back at run time
+    from paxkv.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class KVLayout:
         return tuple(g.window for g in self.groups)
 
 
-def kv_layout(cfg: ModelConfig) -> KVLayout:
+def kv_layout(cfg: "ModelConfig") -> KVLayout:
     """The groups of `cfg`'s layers (see the module docstring)."""
     kinds: dict[int | None, list[int]] = {}
     for layer in range(cfg.num_layers):

@@ -7,6 +7,7 @@ a `BeamState` that forks and drops beams every step. Host code only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from paxkv.engine.beam_search import BeamState
 from paxkv.engine.request_features import FeatureState

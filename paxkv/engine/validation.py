@@ -1,107 +1,21 @@
 """Request intake: one place that decides whether a request can be served, shared by `LLM`,
 `LLMEngine` and the server.
 
-Every check names the field it refuses. Wrong types raise TypeError, wrong values ValueError;
-nothing is coerced silently (a float seed or a float token id is refused, not truncated, and
-`True` is not the integer 1). Checks that need only the request live in `check_*` helpers that
-`SamplingParams` runs at construction; checks that need the engine (vocabulary, context
-length, `max_logprobs`) live in `RequestValidator`, run by `add_request` before anything is
-queued.
+Every check names the field it refuses. Checks that need only the request live in
+`paxkv/field_checks.py`, which `SamplingParams` runs at construction; checks that need the
+engine (vocabulary, context length, `max_logprobs`) live in `RequestValidator`, run by
+`add_request` before anything is queued.
 
 Host-only: no JAX.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
+from paxkv.field_checks import check_int, check_token_ids_in_vocab, is_int, type_name
+from paxkv.sampling_params import SamplingParams
+
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on `logprobs` and `prompt_logprobs`
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def is_int(value: Any) -> bool:
-    """A Python or numpy integer, and not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
-              optional: bool = False) -> int | None:
-    """`value` as an int in [low, high]; bools, floats and strings are refused."""
-    if value is None and optional:
-        return None
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {_type_name(value)} {value!r}")
-    value = int(value)
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-    return value
-
-
-def check_float(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                low_open: bool = False, high_open: bool = False, optional: bool = False) -> float | None:
-    """`value` as a finite float in the given range (NaN and inf are refused)."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {_type_name(value)} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and (value >= high if high_open else value > high):
-        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
-    return value
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {_type_name(value)} {value!r}")
-    return value
-
-
-def check_int_list(name: str, value: Any, *, optional: bool = True, non_empty: bool = False,
-                   low: int | None = 0) -> list[int] | None:
-    """A list (or tuple, or array) of ints, each >= `low`."""
-    if value is None and optional:
-        return None
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a list of ints, got {_type_name(value)}")
-    out = []
-    for i, v in enumerate(value):
-        out.append(check_int(f"{name}[{i}]", v, low=low))
-    if non_empty and not out:
-        raise ValueError(f"{name} must not be empty")
-    return out
-
-
-def check_str_list(name: str, value: Any, *, allow_single: bool = True) -> list[str]:
-    """None -> []; a string -> [it] (when `allow_single`); a list of non-empty strings."""
-    if value is None:
-        return []
-    if isinstance(value, str) and allow_single:
-        value = [value]
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a list of strings, got {_type_name(value)}")
-    out = list(value)
-    for i, s in enumerate(out):
-        if not isinstance(s, str):
-            raise TypeError(f"{name}[{i}] must be a string, got {_type_name(s)}")
-        if not s:
-            raise ValueError(f"{name}[{i}] must be a non-empty string")
-    return out
-
-
-def check_token_ids_in_vocab(name: str, ids: Iterable[int], vocab_size: int) -> None:
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
 class RequestValidator:
@@ -127,7 +41,7 @@ class RequestValidator:
                 raise ValueError("prompt: this model has no tokenizer; give prompts as token ids")
             text, ids = prompt, list(self.tokenizer.encode(prompt))
         elif isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
-            raise TypeError(f"prompt must be a string or a list of token ids, got {_type_name(prompt)}")
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type_name(prompt)}")
         else:
             text = None
             # The common case, a list of Python ints, is checked in C (type set, min, max);
@@ -139,7 +53,7 @@ class RequestValidator:
                 for i, t in enumerate(prompt):
                     if not is_int(t):
                         raise TypeError(f"prompt token ids must be ints: prompt[{i}] is "
-                                        f"{_type_name(t)} {t!r}")
+                                        f"{type_name(t)} {t!r}")
                     ids.append(int(t))
         if not ids:
             raise ValueError("prompt is empty")
@@ -153,9 +67,8 @@ class RequestValidator:
 
     def params(self, params: Any) -> None:
         """Engine-dependent limits of one `SamplingParams` (its own checks ran at construction)."""
-        from paxkv.sampling_params import SamplingParams
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {_type_name(params)}")
+            raise TypeError(f"params must be SamplingParams, got {type_name(params)}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:

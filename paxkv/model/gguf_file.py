@@ -14,7 +14,7 @@ rotate-half layout to its interleaved one); `_unpermute` undoes that, as transfo
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -126,12 +126,12 @@ class GGUFCheckpoint:
         self.path = os.fspath(path)
         if not is_gguf(self.path):
             raise ValueError(f"{self.path!r} is not a GGUF file")
-        from paxkv.config import from_hf_config
+        from paxkv.model.registry import config_from_hf
         self.reader = _reader(self.path)
         self.raw = hf_config(self.reader)
         self.arch = _field(self.reader, "general.architecture")
         name = os.path.splitext(os.path.basename(self.path))[0]
-        self.cfg = from_hf_config(self.raw, name=name)
+        self.cfg = config_from_hf(self.raw, name=name)
         self.tensors = {}
         for t in self.reader.tensors:
             hf = hf_name(t.name)
@@ -150,29 +150,14 @@ class GGUFCheckpoint:
             x = _unpermute(x, heads)
         return x
 
-    def tensor_getter(self) -> Callable[[str], np.ndarray]:
-        return self.tensor
 
 
-def load_gguf(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
-              progress: bool | None = None) -> tuple[Any, Any]:
-    """A GGUF file -> (params, ModelConfig), each tensor dequantized and placed in turn
-    (`weights.load_tensors`); `dtype` and `device` as `weights.load_checkpoint` takes them."""
-    from paxkv.model.weights import load_tensors
-    ckpt = GGUFCheckpoint(path)
-    return load_tensors(ckpt.cfg, ckpt.tensors.keys(), ckpt.tensor, dtype, device, progress,
-                        source=os.path.basename(ckpt.path)), ckpt.cfg
-
-
-def gguf_tokenizer(path: str | os.PathLike) -> Any:
-    """The file's tokenizer (and its chat template), built by transformers from the GGUF
-    vocabulary, wrapped as paxkv's `Tokenizer`."""
+def gguf_hf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
+    """(the file's tokenizer with its chat template, built by transformers from the GGUF
+    vocabulary; the file's EOS ids), for `paxkv.tokenizer.load_tokenizer` to wrap."""
     from transformers import PreTrainedTokenizerFast
-
-    from paxkv.tokenizer import Tokenizer
     path = os.fspath(path)
     hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                  gguf_file=os.path.basename(path))
-    reader = _reader(path)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return Tokenizer(hf, () if eos is None else (int(eos),))
+    eos = _field(_reader(path), "tokenizer.ggml.eos_token_id")
+    return hf, () if eos is None else (int(eos),)

@@ -7,10 +7,13 @@ are imported when first asked for, so parsing a config does not load every famil
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from types import ModuleType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from paxkv.config import ModelConfig
+if TYPE_CHECKING:   # config.py parses configs through the families: no import back
+    from paxkv.config import ModelConfig
 
 # Checkpoint architecture -> family module under paxkv.model.families.
 FAMILIES: dict[str, str] = {
@@ -34,7 +37,7 @@ def family(architecture: str) -> ModuleType:
     return importlib.import_module(f"paxkv.model.families.{FAMILIES[architecture]}")
 
 
-def family_of(cfg: ModelConfig) -> ModuleType:
+def family_of(cfg: "ModelConfig") -> ModuleType:
     """The family module of a parsed config."""
     return family(cfg.architecture)
 
@@ -55,3 +58,17 @@ def family_for_hf_config(raw: Mapping[str, Any]) -> ModuleType:
         return family(_MODEL_TYPES[model_type])
     raise ValueError(f"config.json field 'architectures'={archs} / 'model_type'={model_type!r}: "
                      f"supported architectures are {sorted(FAMILIES)}")
+
+
+def config_from_hf(config: Mapping[str, Any] | str | os.PathLike, name: str = "hf") -> "ModelConfig":
+    """Build a ModelConfig from a Hugging Face config.json (a dict, the file, or its dir):
+    the family its `architectures` names parses it (`paxkv/model/registry.py`)."""
+    if not isinstance(config, Mapping):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"config.json not found: {path}")
+        with open(path) as f:
+            config = json.load(f)
+    return family_for_hf_config(config).config_from_hf(config, name)

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from paxkv.config import ModelConfig, from_hf_config
+from paxkv.config import ModelConfig
 from paxkv.model.families.base import TensorSpec
 from paxkv.model.fusion import FUSED_PARTS, projection
 from paxkv.model.params import init_params
-from paxkv.model.registry import family_of
+from paxkv.model.registry import config_from_hf, family_of
 
 Params = Any
 
@@ -48,7 +48,7 @@ _TARGET_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": j
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 __all__ = ["TensorSpec", "tensor_specs", "checkpoint_config", "open_checkpoint", "load_checkpoint",
-           "load_tensors", "random_params",
+           "load_gguf", "load_tensors", "random_params",
            "hf_config_dict", "hf_tensors", "save_checkpoint", "write_safetensors"]
 
 
@@ -176,7 +176,7 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
         raise ValueError(f"config.json not found in checkpoint {path!r}")
     with open(config_path) as f:
         raw = json.load(f)
-    cfg = from_hf_config(raw, name=os.path.basename(os.path.normpath(path)))
+    cfg = config_from_hf(raw, name=os.path.basename(os.path.normpath(path)))
     target = _resolve_dtype(dtype, raw)
 
     files = _checkpoint_files(path)
@@ -211,12 +211,22 @@ def open_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16") -> Checkpo
     return CheckpointIndex(cfg, target, specs, files, headers)
 
 
+def load_gguf(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
+              progress: bool | None = None) -> tuple[Params, ModelConfig]:
+    """A GGUF file (`gguf_file.GGUFCheckpoint`) -> (params, ModelConfig), each tensor
+    dequantized and placed in turn (`load_tensors`)."""
+    from paxkv.model.gguf_file import GGUFCheckpoint
+    ckpt = GGUFCheckpoint(path)
+    return load_tensors(ckpt.cfg, ckpt.tensors.keys(), ckpt.tensor, dtype, device, progress,
+                        source=os.path.basename(ckpt.path)), ckpt.cfg
+
+
 def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a checkpoint directory or GGUF file, without reading weights."""
     from paxkv.model.gguf_file import GGUFCheckpoint, is_gguf
     if is_gguf(path):
         return GGUFCheckpoint(path).cfg
-    return from_hf_config(path, name=os.path.basename(os.path.normpath(os.fspath(path))))
+    return config_from_hf(path, name=os.path.basename(os.path.normpath(os.fspath(path))))
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: Any = None,
@@ -229,7 +239,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
     (tensor-parallel loading, where no device holds a whole tensor, is
     `paxkv.parallel.loading.load_checkpoint`). Raises ValueError as `open_checkpoint` does.
     """
-    from paxkv.model.gguf_file import is_gguf, load_gguf
+    from paxkv.model.gguf_file import is_gguf
     if is_gguf(path):
         return load_gguf(path, dtype, device, progress)
     put_device = device if isinstance(device, jax.Device) else None

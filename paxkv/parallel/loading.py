@@ -219,8 +219,8 @@ def load_model(path: str | None, cfg: ModelConfig | None, params: Params | None,
     regrouped and split; otherwise random weights (seed `seed`, the same values as on one
     device) are built in place.
     """
-    from paxkv.model.gguf_file import is_gguf, load_gguf
-    from paxkv.model.weights import checkpoint_config
+    from paxkv.model.gguf_file import is_gguf
+    from paxkv.model.weights import checkpoint_config, load_gguf
     from paxkv.parallel.mesh import check_tensor_parallel_size, make_mesh
     if cfg is None:
         cfg = checkpoint_config(path)

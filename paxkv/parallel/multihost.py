@@ -1,6 +1,6 @@
 """One engine over several hosts: JAX's multi-controller model with one scheduler.
 
-Every process calls `LLM(..., distributed_*=...)` (or runs `python -m paxkv.parallel.multihost`
+Every process calls `LLM(..., distributed_*=...)` (or runs `python -m paxkv.parallel.worker`
 with the same three flags): `jax.distributed.initialize` joins them, the mesh then spans every
 process's devices, and every jitted program runs on all of them at once. Only process 0 (the
 driver) runs the host side, scheduler and block manager included, and the program around it.
@@ -206,24 +206,3 @@ class DriverRunner:
             _send(_STOP, ())
             if _current is self:
                 _current = None
-
-
-def main(argv: Any = None) -> None:
-    """`python -m paxkv.parallel.multihost --coordinator_address=H:P --num_processes=N
-    --process_id=I`: a worker process (I > 0) serving whatever engines process 0 builds."""
-    import argparse
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--coordinator_address", required=True)
-    parser.add_argument("--num_processes", type=int, required=True)
-    parser.add_argument("--process_id", type=int, required=True)
-    args = parser.parse_args(argv)
-    if args.process_id == 0:
-        raise ValueError("--process_id 0 is the driver: run the program itself there, with "
-                         "LLM(..., distributed_process_id=0)")
-    from paxkv import LLM
-    LLM(distributed_coordinator_address=args.coordinator_address,
-        distributed_num_processes=args.num_processes, distributed_process_id=args.process_id)
-
-
-if __name__ == "__main__":
-    main()
