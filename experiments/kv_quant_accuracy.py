@@ -449,10 +449,10 @@ def hardware() -> str:
 
 def main(argv):
     del argv
-    from paxkv.llm import _resolve_model
+    from paxkv.builder import resolve_model
     from paxkv.model.weights import load_checkpoint
     from paxkv.tokenizer import load_tokenizer
-    model_dir, _ = _resolve_model(FLAGS.model)
+    model_dir, _ = resolve_model(FLAGS.model)
     if model_dir is None:
         raise ValueError(f"--model {FLAGS.model!r} names no checkpoint (the tiny model is "
                          "trained by scripts/train_tiny.py)")

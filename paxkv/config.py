@@ -241,13 +241,17 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
-    policy: str = "continuous"  # or "static"
+    policy: str = "continuous"  # or "static": iteration- or request-level batching
     preemption_mode: str = "recompute"  # or "swap"
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": the waiting queue (engine/request_queue.py)
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"scheduler must be 'continuous' or 'static', got {self.policy!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:

@@ -114,8 +114,8 @@ def server_engine_flags() -> list[str]:
 
 
 def vocab_size() -> int:
-    from paxkv.llm import _resolve_model
-    path, cfg = _resolve_model(FLAGS.model)
+    from paxkv.builder import resolve_model
+    path, cfg = resolve_model(FLAGS.model)
     if cfg is None:
         from paxkv.model.weights import checkpoint_config
         cfg = checkpoint_config(path)

@@ -72,7 +72,7 @@ def profile_batch(runner, b: int) -> dict:
     import jax
 
     from paxkv.engine.step_io import SampleRow, WorkItem
-    from paxkv.runner.runner import _jit_step, _pack_inputs
+    from paxkv.runner.runner import StepProgram, _jit_step, _pack_inputs
     cfg, bs = runner.cfg, runner.block_size
     per_seq = FLAGS.context // bs + 2 + FLAGS.multi_steps // bs + 2
     items = [WorkItem([7 + i], FLAGS.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
@@ -89,8 +89,8 @@ def profile_batch(runner, b: int) -> dict:
     batch, decode_only, st, mode, k = runner.pack_step(items, rows)
     inputs, spec = _pack_inputs(batch, st, runner.mesh)
     pool = runner.kv_pool
-    kw = dict(spec=spec, cfg=cfg, plan=runner.plan, decode_only=decode_only,
-              sampling_mode=mode, num_logprobs=k, mesh=runner.mesh)
+    kw = dict(program=StepProgram(spec, cfg, runner.plan, mode, decode_only=decode_only,
+                                  num_logprobs=k, mesh=runner.mesh))
     prev = runner._last_tokens
     res, prev, pool = _jit_step(runner.params, pool, inputs, prev, **kw)
     jax.block_until_ready(res)

@@ -33,6 +33,7 @@ from paxkv.engine.sequence import Sequence as Seq
 from paxkv.engine.sequence import SequenceStatus
 from paxkv.engine.step_io import HostSample, SampleRow, WorkItem
 from paxkv.engine.validation import DEFAULT_MAX_LOGPROBS, RequestValidator
+from paxkv.field_checks import check_int
 from paxkv.metrics import Metrics, StepStats
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -52,6 +53,7 @@ class Intake:
     prompt_token_ids: list[int]
     params: SamplingParams
     features: FeatureState | None
+    priority: int = 0                 # scheduling_policy="priority": smaller first
 
 
 @dataclasses.dataclass
@@ -126,7 +128,7 @@ class LLMEngine:
 
     def validate_request(self, request_id: str, prompt: Prompt,
                          params: SamplingParams | None = None,
-                         encode: EncodeSpec | None = None) -> Intake:
+                         encode: EncodeSpec | None = None, priority: int = 0) -> Intake:
         """Every check `add_request` makes, with no state changed: a ValueError or TypeError
         names the bad field. `LLM.generate` checks a whole batch this way before queueing any."""
         params = SamplingParams() if params is None else params
@@ -137,7 +139,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.validator.prompt(prompt)
-        return Intake(request_id, text, ids, params, self.features.prepare(params, ids, encode))
+        check_int("priority", priority)
+        return Intake(request_id, text, ids, params, self.features.prepare(params, ids, encode),
+                      priority)
 
     def check_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """The checks add_request runs, without queueing anything: (prompt text, prompt ids).
@@ -148,9 +152,11 @@ class LLMEngine:
         return check_request(self.validator, self.features, prompt, params)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue one request; an error names the bad field, nothing else changes."""
-        self.enqueue(self.validate_request(request_id, prompt, params), arrival_time)
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue one request; an error names the bad field, nothing else changes.
+        `priority` (vLLM's): its place under `scheduling_policy="priority"`, smaller first."""
+        self.enqueue(self.validate_request(request_id, prompt, params, priority=priority),
+                     arrival_time)
 
     def enqueue(self, intake: Intake, arrival_time: float | None = None) -> None:
         """Queue a request `validate_request` accepted."""
@@ -160,6 +166,7 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Seq(next(self._seq_ids), request_id, intake.prompt_token_ids, params, now)
+        seq.priority = intake.priority
         req = SamplingRequest(request_id, intake.prompt, intake.prompt_token_ids, params, [seq],
                               RequestMetrics(now), features=intake.features, base_seed=base_seed)
         self.features.attach(intake.features, seq)

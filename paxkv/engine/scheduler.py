@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections import deque
 
 from paxkv.cache.block_manager import BlockManager
 from paxkv.config import CacheConfig, SchedulerConfig
+from paxkv.engine.request_queue import create_request_queue
 from paxkv.engine.sequence import Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
@@ -105,12 +105,14 @@ class Scheduler:
         self.block_manager = block_manager
         self.block_size = cache.block_size
 
-        self._waiting: deque[Sequence] = deque()
+        # The scheduling policy (FCFS or priority) is the queue: it orders admission, and
+        # its key orders the running batch and the choice of what to preempt.
+        self._waiting = create_request_queue(cfg.scheduling_policy)
         self._running: dict[int, Sequence] = {}  # in priority order when _running_sorted
         self._running_sorted = True
         self._swapped: list[list[Sequence]] = []  # groups, oldest first
         self._requests: dict[str, _Request] = {}
-        self._priority: dict[int, tuple] = {}     # seq_id -> (arrival_time, order, seq_id)
+        self._priority: dict[int, tuple] = {}     # seq_id -> the queue's key (smaller: older)
         self._next_order = 0
         self._pending: SchedulerOutput | None = None
 
@@ -149,7 +151,8 @@ class Scheduler:
         return [s for g in self._swapped for s in g]
 
     def priority(self, seq: Sequence) -> tuple:
-        """Sort key, smaller = older: (arrival_time, request admission order, seq_id)."""
+        """Sort key, smaller = served first and preempted last (the scheduling policy's:
+        `request_queue.RequestQueue.key`)."""
         return self._priority[seq.seq_id]
 
     def get_request_seqs(self, request_id: str) -> list[Sequence]:
@@ -163,7 +166,7 @@ class Scheduler:
             req = self._requests[seq.request_id] = _Request(self._next_order)
             self._next_order += 1
         req.seqs[seq.seq_id] = seq
-        self._priority[seq.seq_id] = (seq.arrival_time, req.order, seq.seq_id)
+        self._priority[seq.seq_id] = self._waiting.key(seq, req.order)
 
     def _untrack(self, seq: Sequence) -> None:
         self._priority.pop(seq.seq_id, None)
@@ -195,10 +198,7 @@ class Scheduler:
         if self._running.pop(seq.seq_id, None) is not None:
             return
         if seq.status is SequenceStatus.WAITING:
-            try:
-                self._waiting.remove(seq)  # Sequence compares by identity
-            except ValueError:
-                pass
+            self._waiting.remove(seq)
             return
         for i, group in enumerate(self._swapped):
             for j, s in enumerate(group):
@@ -227,7 +227,7 @@ class Scheduler:
                              f"({bm.num_blocks - 1} blocks of {self.block_size}, "
                              f"{bm.watermark_blocks} kept free)")
         self._track(seq)
-        self._waiting.append(seq)
+        self._waiting.add(seq, self._priority[seq.seq_id])
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Abort every unfinished sequence of the request, freeing its blocks at once."""
@@ -449,7 +449,7 @@ class Scheduler:
                 bm.free(s)
                 s.num_computed_tokens = 0
                 s.status = SequenceStatus.WAITING
-            self._waiting.extendleft(reversed(group))
+            self._waiting.prepend(group, [self._priority[s.seq_id] for s in group])
             self.num_recompute_preemptions += len(group)
         out.preempted.extend(group)
         self.num_preemptions += len(group)
@@ -491,7 +491,7 @@ class Scheduler:
                         bm.free(s)
                         s.num_computed_tokens = 0
                         s.status = SequenceStatus.WAITING
-                    self._waiting.extendleft(reversed(group))
+                    self._waiting.prepend(group, [self._priority[s.seq_id] for s in group])
                     continue
                 break
             out.blocks_to_swap_in.extend(bm.swap_in(group))
@@ -511,14 +511,15 @@ class Scheduler:
         return used, seats
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
-        """Continuous policy: admit waiting sequences FCFS while budget, slots and blocks last.
+        """Continuous policy: admit waiting sequences in the queue's order while budget, slots
+        and blocks last.
 
         The watermark (blocks kept free for running sequences to grow into) and the slot
         limit are waived when nothing is running, so the head of the queue always fits.
         """
         bm = self.block_manager
         while self._waiting and budget > 0:
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             idle = not self._running
             cost = self._seat_cost(seq)
             if seats + cost > self.cfg.max_num_seqs and not idle:
@@ -527,7 +528,7 @@ class Scheduler:
             n = self._chunk_len(len(seq.token_ids) - cached, budget)
             if n <= 0 or not bm.can_allocate(seq, cached + n, use_watermark=not idle):
                 break
-            self._waiting.popleft()
+            self._waiting.pop()
             self._start(seq, cached + n, out)
             self._emit(out, seq, n)
             budget -= n
@@ -551,7 +552,7 @@ class Scheduler:
         reserved_for_forks = 0
         seats = 0
         while self._waiting:
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             cost = self._seat_cost(seq)
             if seats + cost > self.cfg.max_num_seqs and seats:
                 break
@@ -565,7 +566,7 @@ class Scheduler:
                 if seats or need > available:
                     break
                 extra = available - need
-            self._waiting.popleft()
+            self._waiting.pop()
             self._start(seq, max_len, out)
             reserved_for_forks += extra
             seats += cost

@@ -90,6 +90,7 @@ class Sequence:
         self.request_id = request_id
         self.params = params
         self.arrival_time = float(arrival_time)
+        self.priority = 0   # the request's (scheduling_policy="priority": smaller first)
         self.token_ids: list[int] = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0

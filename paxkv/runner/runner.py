@@ -56,85 +56,87 @@ def _pad_rows(tokens: jax.Array, num_rows: int) -> jax.Array:
     return jnp.zeros((num_rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
 
-def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array,
-                           spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
-                           hidden_layers: tuple[int, ...], mesh: Any) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """Everything that makes one compiled step program: the one static argument of every
+    jitted step below (a value not seen before compiles a new program). The arrays a step
+    reads travel packed in `inputs`, described by `spec`."""
+
+    spec: transfer.Spec
+    cfg: ModelConfig
+    plan: AttentionPlan
+    sampling_mode: str
+    decode_only: bool = False
+    num_logprobs: int = 0                 # top-k logprobs per sampled row
+    num_prompt_logprobs: int = 0
+    hidden_layers: tuple[int, ...] = ()   # layers whose residual stream comes back
+    mesh: Any = None                      # tensor parallelism
+    num_steps: int = 1                    # decode steps per call (multi-step decoding)
+
+
+def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array,
+                           prev_tokens: jax.Array, p: StepProgram) -> tuple:
     """The forward of a step: -> (logits, each row's newest token, hidden or None, pool, st).
 
     Prompt logprobs ask the model for logits at the prompt positions too (appended after the
     S per-sequence rows); hidden states come out of the same forward pass.
     """
     from paxkv.model.forward import forward
-    batch, st, hidden_at = _unpack_inputs(inputs, spec)
+    batch, st, hidden_at = _unpack_inputs(inputs, p.spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     fed = batch.token_ids[batch.logits_indices[st.logits_rows]]    # each row's newest token
     if st.prompt_positions.shape[0]:
         batch = batch._replace(logits_indices=jnp.concatenate([batch.logits_indices,
                                                                st.prompt_positions]))
-    out = forward(params, batch, kv_pool, cfg, plan=plan, decode_only=decode_only,
-                  mesh=mesh, hidden_at=hidden_at, hidden_layers=hidden_layers)
-    hidden = out[2].reshape(-1) if hidden_layers else None
+    out = forward(params, batch, kv_pool, p.cfg, plan=p.plan, decode_only=p.decode_only,
+                  mesh=p.mesh, hidden_at=hidden_at, hidden_layers=p.hidden_layers)
+    hidden = out[2].reshape(-1) if p.hidden_layers else None
     return out[0], fed, hidden, out[1], st
 
 
 def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-             spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
-             sampling_mode: str, num_logprobs: int, num_prompt_logprobs: int = 0,
-             hidden_layers: tuple[int, ...] = (),
-             mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+             program: StepProgram) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """One step; `inputs` is the packed StepBatch + SamplingTensors, and the sampled
     tokens, logprobs and top-k come back packed in one int32 buffer (`transfer.py`).
 
     Also returns the sampled tokens padded to `prev_tokens`' length: the next step's
     `prev_tokens`, so placeholders can be filled without a round trip to the host.
     """
-    logits, fed, hidden, kv_pool, st = _forward_with_features(
-        params, kv_pool, inputs, prev_tokens, spec, cfg, plan, decode_only, hidden_layers, mesh)
-    result = sample(logits, st, mode=sampling_mode, num_logprobs=num_logprobs,
-                    num_prompt_logprobs=num_prompt_logprobs, fed_tokens=fed)
-    arrays = tuple(result) + ((hidden,) if hidden_layers else ())
+    p = program
+    logits, fed, hidden, kv_pool, st = _forward_with_features(params, kv_pool, inputs,
+                                                              prev_tokens, p)
+    result = sample(logits, st, mode=p.sampling_mode, num_logprobs=p.num_logprobs,
+                    num_prompt_logprobs=p.num_prompt_logprobs, fed_tokens=fed)
+    arrays = tuple(result) + ((hidden,) if p.hidden_layers else ())
     return (transfer.pack_device(arrays), _pad_rows(result.tokens, prev_tokens.shape[0]),
             kv_pool)
 
 
-_jit_step = jax.jit(_step_fn, static_argnames=("spec", "cfg", "plan", "decode_only", "sampling_mode",
-                                               "num_logprobs", "num_prompt_logprobs",
-                                               "hidden_layers", "mesh"), donate_argnums=(1,))
-
-
 def _forward_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-                spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, decode_only: bool,
-                hidden_layers: tuple[int, ...] = (), mesh: Any = None) -> tuple:
+                program: StepProgram) -> tuple:
     """The forward half of a split step: -> (logits, fed tokens, hidden or [0], new pool)."""
-    logits, fed, hidden, kv_pool, _ = _forward_with_features(
-        params, kv_pool, inputs, prev_tokens, spec, cfg, plan, decode_only, hidden_layers, mesh)
+    logits, fed, hidden, kv_pool, _ = _forward_with_features(params, kv_pool, inputs,
+                                                             prev_tokens, program)
     if hidden is None:
         hidden = jnp.zeros((0,), jnp.float32)
     return logits, fed, hidden, kv_pool
 
 
 def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax.Array,
-               masks: jax.Array, prev_tokens: jax.Array, *, spec: transfer.Spec, sampling_mode: str,
-               num_logprobs: int, num_prompt_logprobs: int,
-               has_hidden: bool) -> tuple[jax.Array, jax.Array]:
+               masks: jax.Array, prev_tokens: jax.Array, *,
+               program: StepProgram) -> tuple[jax.Array, jax.Array]:
     """The sampling half of a split step, with the grammar masks that arrived meanwhile."""
-    _, st, _ = _unpack_inputs(inputs, spec)
-    result = sample(logits, st._replace(masks=masks), mode=sampling_mode,
-                    num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs,
+    p = program
+    _, st, _ = _unpack_inputs(inputs, p.spec)
+    result = sample(logits, st._replace(masks=masks), mode=p.sampling_mode,
+                    num_logprobs=p.num_logprobs, num_prompt_logprobs=p.num_prompt_logprobs,
                     fed_tokens=fed)
-    return (transfer.pack_device(tuple(result) + ((hidden,) if has_hidden else ())),
+    return (transfer.pack_device(tuple(result) + ((hidden,) if p.hidden_layers else ())),
             _pad_rows(result.tokens, prev_tokens.shape[0]))
 
 
-_jit_forward = jax.jit(_forward_fn, static_argnames=("spec", "cfg", "plan", "decode_only",
-                                                     "hidden_layers", "mesh"), donate_argnums=(1,))
-_jit_sample = jax.jit(_sample_fn, static_argnames=("spec", "sampling_mode", "num_logprobs",
-                                                   "num_prompt_logprobs", "has_hidden"))
-
-
 def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
-                     spec: transfer.Spec, cfg: ModelConfig, plan: AttentionPlan, sampling_mode: str,
-                     num_steps: int, mesh: Any = None) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+                     program: StepProgram) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
     """`num_steps` decode steps in one device call, each sampled token fed to the next step.
 
     Row i of the batch is sequence i (one token each) and sampling row i samples it. Padding
@@ -142,7 +144,8 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
     tokens and logprobs `[num_steps, rows]` packed in one buffer.
     """
     from paxkv.model.forward import forward
-    batch, st, _ = _unpack_inputs(inputs, spec)
+    p = program
+    batch, st, _ = _unpack_inputs(inputs, p.spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
     num_seqs = batch.context_lens.shape[0]
     block_size = kv_pool.block_size
@@ -157,23 +160,28 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         slots = jnp.where(valid, slots, rows % block_size)
         step = batch._replace(token_ids=tokens, positions=positions, slot_mapping=slots,
                               context_lens=context)
-        logits, pool = forward(params, step, pool, cfg, plan=plan, decode_only=True, mesh=mesh)
-        res = sample(logits, st._replace(steps=st.steps + j), mode=sampling_mode, num_logprobs=0,
-                     fed_tokens=tokens)
+        logits, pool = forward(params, step, pool, p.cfg, plan=p.plan, decode_only=True,
+                               mesh=p.mesh)
+        res = sample(logits, st._replace(steps=st.steps + j), mode=p.sampling_mode,
+                     num_logprobs=0, fed_tokens=tokens)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
         inc = valid.astype(jnp.int32)
         return pool, jnp.where(valid, res.tokens, 0), positions + inc, context + inc, out_tok, out_lp
 
     init = (kv_pool, batch.token_ids, batch.positions, batch.context_lens,
-            jnp.zeros((num_steps, num_seqs), jnp.int32), jnp.zeros((num_steps, num_seqs), jnp.float32))
-    kv_pool, _, _, _, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
+            jnp.zeros((p.num_steps, num_seqs), jnp.int32),
+            jnp.zeros((p.num_steps, num_seqs), jnp.float32))
+    kv_pool, _, _, _, out_tok, out_lp = jax.lax.fori_loop(0, p.num_steps, body, init)
     return (transfer.pack_device((out_tok, out_lp)), _pad_rows(out_tok[-1], prev_tokens.shape[0]),
             kv_pool)
 
 
-_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames=("spec", "cfg", "plan", "sampling_mode",
-                                                               "num_steps", "mesh"), donate_argnums=(1,))
+# The step programs: the pool is donated, so XLA updates its pages in place.
+_jit_step = jax.jit(_step_fn, static_argnames="program", donate_argnums=(1,))
+_jit_forward = jax.jit(_forward_fn, static_argnames="program", donate_argnums=(1,))
+_jit_sample = jax.jit(_sample_fn, static_argnames="program")
+_jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames="program", donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -444,12 +452,13 @@ class Runner:
         st, mode, _ = self.pack_sampling(padded)
         st = jax.tree.map(lambda x: x[:num_seqs], st)
         pack_s = time.perf_counter() - t0
-        key = ("multi", num_seqs, batch.block_tables.shape[-1], st.banned.shape[1], mode, num_steps)
-        new = key not in self.compiled_keys
         inputs, spec = _pack_inputs(batch, st, self.mesh)
+        program = StepProgram(spec, self.cfg, self.plan, mode, decode_only=True, mesh=self.mesh,
+                              num_steps=num_steps)
+        key = ("multi", program)
+        new = key not in self.compiled_keys
         out, self._last_tokens, self.kv_pool = _jit_multi_decode(
-            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            plan=self.plan, sampling_mode=mode, num_steps=num_steps, mesh=self.mesh)
+            self.params, self.kv_pool, inputs, self._last_tokens, program=program)
         shape = (num_steps, num_seqs)
         return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")), n, 0, key,
                                             new, t0, time.perf_counter(), pack_s, multi=True))
@@ -483,25 +492,24 @@ class Runner:
         if fill_masks is not None:     # the masks travel in the second half
             st = st._replace(masks=np.zeros((0, masks_shape[1]), np.int32))
         inputs, spec = _pack_inputs(batch, st, self.mesh, hidden_at)
-        key = (spec, decode_only, mode, k, kp, layers, fill_masks is not None, masks_shape)
+        program = StepProgram(spec, self.cfg, self.plan, mode, decode_only=decode_only,
+                              num_logprobs=k, num_prompt_logprobs=kp, hidden_layers=layers,
+                              mesh=self.mesh)
+        key = (program, fill_masks is not None, masks_shape)
         new = key not in self.compiled_keys
         if fill_masks is None:
             out, self._last_tokens, self.kv_pool = _jit_step(
-                self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-                plan=self.plan, decode_only=decode_only, sampling_mode=mode,
-                num_logprobs=k, num_prompt_logprobs=kp, hidden_layers=layers, mesh=self.mesh)
+                self.params, self.kv_pool, inputs, self._last_tokens, program=program)
         else:
             logits, fed, hidden, self.kv_pool = _jit_forward(
-                self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-                plan=self.plan, decode_only=decode_only, hidden_layers=layers, mesh=self.mesh)
+                self.params, self.kv_pool, inputs, self._last_tokens, program=program)
             t_mask = time.perf_counter()
             rows = fill_masks(list(rows))          # host work while the device runs the forward
             masks = pack_masks([r.features for r in rows], self.cfg.vocab_size)
             pack_s += time.perf_counter() - t_mask
             out, self._last_tokens = _jit_sample(
-                logits, fed, hidden, inputs, self._ids(masks), self._last_tokens, spec=spec,
-                sampling_mode=mode, num_logprobs=k, num_prompt_logprobs=kp,
-                has_hidden=bool(layers))
+                logits, fed, hidden, inputs, self._ids(masks), self._last_tokens,
+                program=program)
         r = st.seeds.shape[0]
         p = st.prompt_positions.shape[0]
         out_spec = [((r,), "int32"), ((r,), "float32"), ((r, k), "int32"), ((r, k), "float32"),
@@ -561,10 +569,10 @@ class Runner:
         the compiled program (so it does not depend on what else the process allocated)."""
         batch, decode_only, st, mode, k = self.pack_step(items, rows)
         inputs, spec = _pack_inputs(batch, st, self.mesh, None)
-        compiled = _jit_step.lower(
-            self.params, self.kv_pool, inputs, self._last_tokens, spec=spec, cfg=self.cfg,
-            plan=self.plan, decode_only=decode_only, sampling_mode=mode,
-            num_logprobs=k, mesh=self.mesh).compile()
+        program = StepProgram(spec, self.cfg, self.plan, mode, decode_only=decode_only,
+                              num_logprobs=k, mesh=self.mesh)
+        compiled = _jit_step.lower(self.params, self.kv_pool, inputs, self._last_tokens,
+                                   program=program).compile()
         mem = compiled.memory_analysis()
         if mem is None:
             return 0

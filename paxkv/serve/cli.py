@@ -5,9 +5,9 @@ checks, tokenization, detokenization, SSE), and an engine process that owns the 
 (`engine_core.py`, joined by a socket pair, `engine_client.py`). `--no-engine-process`
 keeps everything in this process, the engine on a thread (`engine_loop.py`), for comparison.
 
-Engine flags are derived from `LLM.__init__`'s signature, under vLLM's spelling
-(`max_num_seqs` -> `--max-num-seqs`, booleans as `--x / --no-x`), so a new LLM argument
-becomes a flag without touching this file; LLM itself checks the values (a bad one is a
+Engine flags are derived from `EngineArgs`' fields (what `LLM(...)` takes), under vLLM's
+spelling (`max_num_seqs` -> `--max-num-seqs`, booleans as `--x / --no-x`), so a new engine
+argument becomes a flag without touching this file; LLM itself checks the values (a bad one is a
 usage error naming the field). argparse rather than absl here: vLLM's dashed
 names and `--no-` booleans are what users of `vllm serve` type.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
+import dataclasses
 import logging
 import os
 import selectors
@@ -51,6 +51,8 @@ _HELP = {
     "preemption_mode": "what to do with a sequence when the pool runs dry",
     "swap_space": "GiB of host memory for swapped-out blocks (preemption_mode=swap)",
     "scheduler": "continuous (iteration-level) or static (request-level) batching",
+    "scheduling_policy": "order of the waiting queue: fcfs, or priority (a request's "
+                         "'priority', smaller first)",
     "attention_backend": "attention implementation",
     "tensor_parallel_size": "devices to shard the model over",
     "seed": "seed of requests that give none, and of random weights",
@@ -69,23 +71,24 @@ def _annotation_type(annotation: Any, default: Any) -> type | None:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
-    """One flag per LLM(...) engine argument; returns the argument names."""
-    from paxkv.llm import LLM
+    """One flag per engine argument (`EngineArgs`' fields); returns the argument names."""
+    from paxkv.engine_args import EngineArgs
     names = []
     group = parser.add_argument_group("engine (LLM arguments)")
-    for name, p in inspect.signature(LLM.__init__).parameters.items():
-        if name in _NOT_FLAGS or p.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+    for field in dataclasses.fields(EngineArgs):
+        name = field.name
+        if name in _NOT_FLAGS:
             continue
-        typ = _annotation_type(p.annotation, p.default)
+        typ = _annotation_type(field.type, field.default)
         if typ is None:
             continue
         flag = "--" + name.replace("_", "-")
-        help_ = f"{_HELP.get(name, f'LLM({name}=...)')} (default: {p.default})"
+        help_ = f"{_HELP.get(name, f'LLM({name}=...)')} (default: {field.default})"
         if typ is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=p.default, help=help_)
+                               default=field.default, help=help_)
         else:
-            group.add_argument(flag, dest=name, type=typ, default=p.default, help=help_)
+            group.add_argument(flag, dest=name, type=typ, default=field.default, help=help_)
         names.append(name)
     return names
 
@@ -203,8 +206,8 @@ def _tokenizer(args: argparse.Namespace) -> Any:
         if tok is None:
             raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer files there")
         return tok
-    from paxkv.llm import _resolve_model
-    path, _ = _resolve_model(args.model)
+    from paxkv.builder import resolve_model
+    path, _ = resolve_model(args.model)
     return load_tokenizer(path) if path is not None else None
 
 
