@@ -5,9 +5,9 @@ Whether a hand-written Pallas GEMV reads the weights as fast as XLA's matmuls at
 add, XLA's split-K reductions) can move into its prologue and epilogue without losing
 bandwidth.
 
-    PYTHONPATH=. python3 scripts/probe_thin_matmuls.py all --out_dir DIR   # XLA and Pallas
+    PYTHONPATH=. python3 scripts/probes/probe_thin_matmuls.py all --out_dir DIR   # XLA and Pallas
     XLA_FLAGS=--xla_gpu_exhaustive_tiling_search=true \
-        PYTHONPATH=. python3 scripts/probe_thin_matmuls.py xla --out_dir DIR
+        PYTHONPATH=. python3 scripts/probes/probe_thin_matmuls.py xla --out_dir DIR
 
 Method: each shape is timed over NW distinct weight matrices (together well over L2) in one jit
 whose output is the sum of the full products (so no column is dropped by the simplifier);
@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 M = 8

@@ -8,8 +8,8 @@ decode step reads it (at 3.3-3.6 TB/s for o and q/k/v against 4.3 for gate/up). 
 chain of NW such matmuls over distinct weights (400 MB together), each one's input computed
 from the one before by a small fusion as in the step (so XLA cannot merge them), per tiling.
 
-    PYTHONPATH=. python3 scripts/probe_xla_gemm_tilings.py --out_dir DIR [--shapes o,qkv]
-    PYTHONPATH=. python3 scripts/probe_xla_gemm_tilings.py --out_dir DIR --shapes down \
+    PYTHONPATH=. python3 scripts/probes/probe_xla_gemm_tilings.py --out_dir DIR [--shapes o,qkv]
+    PYTHONPATH=. python3 scripts/probes/probe_xla_gemm_tilings.py --out_dir DIR --shapes down \
         --budget_s 0 --dump_autotune      # XLA's pick only, its autotuning results dumped
 
 A tiling is forced with `--xla_gpu_override_gemm_autotuner` (a `TritonGemmKey` textproto) in
@@ -40,7 +40,8 @@ ROWS = 8
 
 def child(shape: str, out_path: str) -> None:
     """One process, one tiling (whatever XLA_FLAGS says): time the chain and save the output."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1,9 +1,9 @@
 """`diagnose_one_stream.py` with kernel defaults replaced in this process, to A/B tunings in
 fresh processes without editing the library.
 
-    PYTHONPATH=. python3 scripts/diagnose_variants.py base
-    PYTHONPATH=. python3 scripts/diagnose_variants.py rope2+ppcb2
-    PYTHONPATH=. python3 scripts/diagnose_variants.py splits1 scripts/profile_step.py --model llama3-8b ...
+    PYTHONPATH=. python3 scripts/probes/diagnose_variants.py base
+    PYTHONPATH=. python3 scripts/probes/diagnose_variants.py rope2+ppcb2
+    PYTHONPATH=. python3 scripts/probes/diagnose_variants.py splits1 scripts/profile_step.py --model llama3-8b ...
 
 A second argument names another script to run under the variant (its own arguments follow).
 
@@ -87,6 +87,6 @@ if __name__ == "__main__":
         apply(n)
     source = _module("pallas_kernels.paged_attention.paged_attention").__file__
     print("variant", "+".join(names), "from", os.path.relpath(source), flush=True)
-    script = sys.argv[2] if len(sys.argv) > 2 else "scripts/diagnose_one_stream.py"
+    script = sys.argv[2] if len(sys.argv) > 2 else "scripts/probes/diagnose_one_stream.py"
     sys.argv = [script] + sys.argv[3:]
     runpy.run_path(script, run_name="__main__")

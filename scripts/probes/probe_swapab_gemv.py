@@ -9,7 +9,7 @@ are B (N = 8), and the accumulator `[64, 8]` is written as `y^T`. Each program o
 output features over the whole of K (no split-K reduction), and starts its weight copies
 before `griddepcontrol.wait` (PDL).
 
-    PYTHONPATH=. python3 scripts/probe_swapab_gemv.py --out_dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_swapab_gemv.py --out_dir DIR
 
 Method as `probe_thin_matmuls.py`: each shape over distinct weights (well over L2), the sum of
 the products returned, dispatched back to back; every variant checked against XLA's first.
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402
 from probe_thin_matmuls import chain  # noqa: E402  (the same summed chain of products)
 from pallas_kernels.paged_attention.mosaic_decode import (  # noqa: E402

@@ -7,8 +7,8 @@ every warp count that fits, in chains of CALLS dependent launches in one jit (us
 launch, median of 5), next to XLA's own jnp form of the same work. Every variant's output
 is checked against the jnp reference first.
 
-    PYTHONPATH=. python3 scripts/probe_layer_kernels.py --out_dir DIR
-    PYTHONPATH=. python3 scripts/probe_layer_kernels.py --smoke    # small shapes, CPU interpret
+    PYTHONPATH=. python3 scripts/probes/probe_layer_kernels.py --out_dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_layer_kernels.py --smoke    # small shapes, CPU interpret
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import numpy as np
 from pallas_kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, rope_kv_write,
                                       rope_kv_write_reference)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 8, 4096, 32, 8, 128

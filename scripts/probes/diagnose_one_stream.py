@@ -4,9 +4,9 @@ that change no value print the same one, given the same matmul tilings), whether
 asynchronously, and a cProfile of the host over a third repetition (where the host time of a
 step goes).
 
-    PYTHONPATH=. python3 scripts/diagnose_one_stream.py
-    PYTHONPATH=<another commit's paxkv>:. python3 scripts/diagnose_one_stream.py   # compare commits
-    PYTHONPATH=. python3 scripts/diagnose_one_stream.py --noprofile   # the timed runs only
+    PYTHONPATH=. python3 scripts/probes/diagnose_one_stream.py
+    PYTHONPATH=<another commit's paxkv>:. python3 scripts/probes/diagnose_one_stream.py   # compare commits
+    PYTHONPATH=. python3 scripts/probes/diagnose_one_stream.py --noprofile   # the timed runs only
 """
 import cProfile, hashlib, pstats, sys, time, io, os
 t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 the process was started with (compare command-buffer settings, one process each):
 
     PAXKV_COMPILATION_CACHE_DIR=off XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
-        PYTHONPATH=. python3 scripts/probe_launch_cost.py
+        PYTHONPATH=. python3 scripts/probes/probe_launch_cost.py
 
 Prints one RESULT line: tokens/s, the median time inside Runner.dispatch, and the median
 wall, host and device-wait times of full-batch decode steps.

@@ -12,7 +12,7 @@ eps) * ((x * scale) @ W)` per row, so the row factor goes on the float32 accumul
 Each is checked against the jnp reference on the device first (a miss fails the run), then
 timed.
 
-    PYTHONPATH=. python3 scripts/probe_norm_matmul.py --out_dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_norm_matmul.py --out_dir DIR
 
 Method: as `probe_thin_matmuls.py`. Each shape runs over NW distinct weight matrices (together
 well over L2) in one jit, each product feeding the next one's input (so nothing is shared or
@@ -36,7 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.layer_ops import add_rms_norm, add_rms_norm_reference
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS = 8

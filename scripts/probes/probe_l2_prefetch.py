@@ -5,8 +5,8 @@ RoPE, combines) while HBM idles, and its narrow matmuls (o: 33.5 MB, q/k/v: 50 M
 only 3.5-3.6 TB/s, their ramp and tail a large part of 10-14 us. If the idle kernels had
 read the next matmul's weights into the H200's 50 MB L2, how long would the matmul take?
 
-    PYTHONPATH=. python3 scripts/probe_l2_prefetch.py --out_dir DIR
-    PYTHONPATH=. python3 scripts/probe_l2_prefetch.py --smoke     # small shapes, CPU interpret
+    PYTHONPATH=. python3 scripts/probes/probe_l2_prefetch.py --out_dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_l2_prefetch.py --smoke     # small shapes, CPU interpret
 
 Per shape and variant, over distinct weight matrices (together far over L2), one jit
 dispatched REPS times back to back, median of 5 (us per matrix):
@@ -30,7 +30,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS = 8

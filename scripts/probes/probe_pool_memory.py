@@ -6,9 +6,9 @@ allocator's figures (in use, peak, the largest free block) after each phase, the
 stream of 128 in / 512 out twice and 1,024 sampled requests of 128 in / 32 out (a 1,024-row
 sampled decode step). Prints FAILED and the allocator's figures at the first error.
 
-    PAXKV_COMPILATION_CACHE_DIR=off PYTHONPATH=. python3 scripts/probe_pool_memory.py
-    ... scripts/probe_pool_memory.py --precompile          # every reachable step shape first
-    ... scripts/probe_pool_memory.py --autotune_reserve 0  # no room kept for autotuning
+    PAXKV_COMPILATION_CACHE_DIR=off PYTHONPATH=. python3 scripts/probes/probe_pool_memory.py
+    ... scripts/probes/probe_pool_memory.py --precompile          # every reachable step shape first
+    ... scripts/probes/probe_pool_memory.py --autotune_reserve 0  # no room kept for autotuning
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ sizes, pipeline depths and warp counts. Every variant's output is checked agains
 loudly on a mismatch). Commit 8cb6f65 also timed strided splits with it
 (results/one_stream.md).
 
-    PYTHONPATH=. python3 scripts/probe_decode_latency.py --out_dir DIR
-    PYTHONPATH=. python3 scripts/probe_decode_latency.py --smoke    # small shapes, CPU interpret
+    PYTHONPATH=. python3 scripts/probes/probe_decode_latency.py --out_dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_decode_latency.py --smoke    # small shapes, CPU interpret
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import numpy as np
 
 from pallas_kernels.paged_attention import rope_paged_attention, rope_paged_attention_reference
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),   # the probes, scripts/
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from bench_common import back_to_back  # noqa: E402  (the probes' timing method)
 
 ROWS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 32, 8, 128, 16
