@@ -24,6 +24,7 @@ from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 
 NAME = "batched_requests"
 LABELS = {"continuous": "paged, continuous batching (vLLM)",

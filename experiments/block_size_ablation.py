@@ -25,6 +25,7 @@ from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 flags.DEFINE_list("block_sizes", None, "Override the block sizes (run in the given order).")
 
 NAME = "block_size_ablation"

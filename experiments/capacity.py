@@ -26,7 +26,7 @@ from paxkv.config import ModelConfig, get_preset
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu"], "Which settings of configs/experiments.py to use.")
-flags.DEFINE_string("out_dir", "results", "Where to write capacity.json/.png/.md.")
+flags.DEFINE_string("out_dir", "scratch/results", "Where to write capacity.json/.png/.md (--out_dir=results updates the committed results)")
 flags.DEFINE_integer("block_size", None, "Override the settings' block size.")
 
 NAME = "capacity"

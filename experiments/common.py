@@ -73,8 +73,7 @@ def define_serving_flags() -> None:
     from absl import flags
     flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"],
                       "Which settings of configs/experiments.py to use.")
-    flags.DEFINE_string("out_dir", "results",
-                        "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
+    flags.DEFINE_string("out_dir", "scratch/results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*) (--out_dir=results updates the committed results)")
     flags.DEFINE_float("time_budget_s", None,
                        "Override the settings' time budget (seconds; <= 0: none).")
     flags.DEFINE_string("resume_from", None,

@@ -36,7 +36,7 @@ from experiments import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("setting", "cpu", ["cpu", "gpu", "tiny"], "Which settings of configs/experiments.py to use.")
-flags.DEFINE_string("out_dir", "results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*).")
+flags.DEFINE_string("out_dir", "scratch/results", "Where to write NAME.json/.png/.md (gpu setting: NAME_gpu.*) (--out_dir=results updates the committed results)")
 flags.DEFINE_string("kernels_json", None, "Override the kernel benchmark's json to read.")
 
 NAME = "kernel_overhead"

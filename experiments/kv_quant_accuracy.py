@@ -73,7 +73,7 @@ flags.DEFINE_integer("num_prompts", 128, "Held-out paragraph openings for greedy
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens (bos + paragraph opening).")
 flags.DEFINE_integer("max_tokens", 64, "Greedy tokens generated per prompt.")
 flags.DEFINE_bool("granularity", True, "Run the scale-granularity study (measurement 3).")
-flags.DEFINE_string("out_dir", "results", "Where kv_quant_accuracy.json/.md/.png go.")
+flags.DEFINE_string("out_dir", "scratch/results", "Where kv_quant_accuracy.json/.md/.png go (--out_dir=results updates the committed results)")
 flags.DEFINE_integer("seed", 0, "Seed of the block-table permutation.")
 
 NAME = "kv_quant_accuracy"

@@ -26,7 +26,7 @@ from paxkv.sim.simulate import simulate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("setting", "cpu", ["cpu", "tiny"], "Which settings of configs/experiments.py to use.")
-flags.DEFINE_string("out_dir", "results", "Where to write kv_utilization.json/.png/.md.")
+flags.DEFINE_string("out_dir", "scratch/results", "Where to write kv_utilization.json/.png/.md (--out_dir=results updates the committed results)")
 flags.DEFINE_integer("num_requests", None, "Override the number of requests of every trace.")
 flags.DEFINE_integer("seed", None, "Override the trace seed.")
 flags.DEFINE_integer("pool_tokens", None, "Override the KV pool size (token slots).")

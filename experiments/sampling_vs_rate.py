@@ -25,6 +25,7 @@ from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 
 NAME = "sampling_vs_rate"
 LABELS = {"continuous": "paged, continuous batching (vLLM)",

@@ -25,6 +25,7 @@ from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 
 NAME = "shared_prefix"
 LABELS = {"prefix caching": "continuous, prefix cached and shared (vLLM)",

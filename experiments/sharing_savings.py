@@ -31,6 +31,7 @@ from paxkv.sampling_params import BeamSearchParams, SamplingParams
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 
 NAME = "sharing_savings"
 

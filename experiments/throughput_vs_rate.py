@@ -27,6 +27,7 @@ from paxkv.sim import workloads
 
 FLAGS = flags.FLAGS
 common.define_serving_flags()
+flags.adopt_module_key_flags(common)   # its flags in --help too
 flags.DEFINE_list("rates", None, "Override the request rates (requests/s).")
 
 NAME = "throughput_vs_rate"

@@ -1,4 +1,13 @@
 """paxkv: vLLM's PagedAttention serving engine, reimplemented in JAX and Pallas."""
+import logging as _logging
+import os as _os
+
+# Start-up prints nothing a user cannot act on: JAX's note that it found no TPU library, its
+# cache reset line, and transformers' note that PyTorch is absent (only its tokenizers are
+# used) are kept out of every program's output. (Set TRANSFORMERS_VERBOSITY to see the last.)
+for _name in ("jax._src.xla_bridge", "jax._src.compilation_cache"):
+    _logging.getLogger(_name).setLevel(_logging.WARNING)
+_os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from paxkv.outputs import CompletionOutput, RequestOutput
 from paxkv.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

@@ -44,7 +44,7 @@ flags.DEFINE_integer("reps", 15, "timed calls of the sampler alone per case")
 flags.DEFINE_float("max_temperature_cost", 0.05,
                    "target: the temperature-only step at most this much slower than greedy")
 flags.DEFINE_bool("smoke", False, "CPU check: tiny-random, batch 8, context 40")
-flags.DEFINE_string("out_dir", "results", "where sampler_modes.md/.json/.png go")
+flags.DEFINE_string("out_dir", "scratch/results", "where sampler_modes.md/.json/.png go (--out_dir=results updates the committed results)")
 
 # name -> (temperature, top_p, forced path or None)
 CASES = {"greedy": (0.0, 1.0, None),

@@ -51,7 +51,7 @@ flags.DEFINE_integer("rounds", 6, "rounds over the cases, interleaved")
 flags.DEFINE_integer("warmup", 5, "untimed steps per case (the first compiles)")
 flags.DEFINE_float("structured_fraction", 0.25, "share of rows with a JSON schema")
 flags.DEFINE_bool("smoke", False, "CPU check: tiny-random, batch 8, context 40")
-flags.DEFINE_string("out_dir", "results", "where sampling.md and sampling.json go")
+flags.DEFINE_string("out_dir", "scratch/results", "where sampling.md and sampling.json go (--out_dir=results updates the committed results)")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},

@@ -73,7 +73,7 @@ flags.DEFINE_list("engine_modes", ["process"],
                   "server arrangements to measure in turn: process (engine process, the "
                   "default), thread (--no-engine-process)")
 flags.DEFINE_string("url", "", "benchmark this running server instead of starting one (no offline)")
-flags.DEFINE_string("out_dir", "results/serving", "where serving.json / .md / .png go")
+flags.DEFINE_string("out_dir", "scratch/results/serving", "where serving.json / .md / .png go (--out_dir=results/serving updates the committed results)")
 flags.DEFINE_float("startup_timeout_s", 600.0, "how long the server may take to become healthy")
 flags.DEFINE_string("offline_json", "", "internal: run only the offline part, write it here")
 flags.DEFINE_string("compile_cache_dir", os.path.join(tempfile.gettempdir(), "paxkv_bench_serving_jax"),

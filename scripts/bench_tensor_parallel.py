@@ -28,7 +28,7 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "results/tensor_parallel", "where every part's json and the summary go")
+flags.DEFINE_string("out_dir", "scratch/results/tensor_parallel", "where every part's json and the summary go (--out_dir=results/tensor_parallel updates the committed results)")
 flags.DEFINE_list("parts", ["8b", "profile", "70b", "long"], "which parts to run, in order")
 flags.DEFINE_list("tp_sizes", ["1", "2", "4", "8"], "8B: tensor-parallel sizes (those above the GPU count are skipped)")
 flags.DEFINE_list("tp_sizes_70b", ["4", "8"], "70B: tensor-parallel sizes")

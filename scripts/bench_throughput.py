@@ -55,7 +55,7 @@ flags.DEFINE_list("settings", [], "compare engine settings side by side instead:
                   "'name:key=value;key=value' builds LLM(model, **those) with nothing else set "
                   "('defaults:' = LLM's own defaults) and runs one stream (128 in / 512 out) and "
                   "the fixed workload on it")
-flags.DEFINE_string("out_dir", "results/throughput", "where the json and markdown go")
+flags.DEFINE_string("out_dir", "scratch/results/throughput", "where the json and markdown go (--out_dir=results/throughput updates the committed results)")
 flags.DEFINE_float("deadline_s", 1e9, "skip the parts that would start after this many seconds")
 
 

@@ -27,7 +27,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 256, "changed requests per engine step")
 flags.DEFINE_integer("steps", 256, "steps timed (request outputs grow by one token a step)")
 flags.DEFINE_integer("logprobs", 0, "top logprobs per token (0: none)")
-flags.DEFINE_string("out_dir", "results", "where engine_ipc.json / .md go")
+flags.DEFINE_string("out_dir", "scratch/results", "where engine_ipc.json / .md go (--out_dir=results updates the committed results)")
 
 
 def _outputs(rows: int, step: int, logprobs: int) -> list:

@@ -21,7 +21,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny", "preset or checkpoint directory")
-flags.DEFINE_string("out_dir", "results/startup", "where startup.json and startup.md go")
+flags.DEFINE_string("out_dir", "scratch/results/startup", "where startup.json and startup.md go (--out_dir=results/startup updates the committed results)")
 flags.DEFINE_integer("processes", 2, "how many processes in a row share one cache")
 flags.DEFINE_bool("child", False, "internal: run one measurement and print it as json")
 flags.DEFINE_string("cache_dir", "", "internal: the compilation cache of the child")

@@ -67,8 +67,7 @@ fi
 
 export PYTHONPATH=.
 mkdir -p "$OUT_DIR"
-OUT_FLAG=()
-if [[ "$OUT_DIR" != results ]]; then OUT_FLAG=(--out_dir="$OUT_DIR"); fi
+OUT_FLAG=(--out_dir="$OUT_DIR")   # the experiments themselves default to scratch/results
 
 PACK=""
 if [[ "$GPU" == 1 && -n "${OUT:-}" && -d "${OUT:-}" ]]; then

@@ -97,9 +97,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser = argparse.ArgumentParser(
         prog="paxkv serve", description="Serve a model over the OpenAI API (completions, chat).")
     parser.add_argument("model", nargs="?", default="tiny",
-                        help="preset name ('tiny', 'llama3-8b', ...) or Hugging Face checkpoint dir")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+                        help="preset name ('tiny', 'llama3-8b', 'smollm2-135m-instruct', ...), "
+                        "Hugging Face checkpoint dir or GGUF file (default: tiny)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("PAXKV_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $PAXKV_API_KEY)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -107,9 +109,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: the checkpoint's own)")
     parser.add_argument("--max-waiting-requests", type=int, default=10_000,
-                        help="requests without a first token at most; beyond, new ones get 503")
+                        help="requests without a first token at most; beyond, new ones get 503 "
+                        "(default: 10000)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight responses get to finish after SIGTERM")
+                        help="seconds in-flight responses get to finish after SIGTERM (default: 30)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
