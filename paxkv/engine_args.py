@@ -30,8 +30,8 @@ class EngineArgs:
     - `precompile`: compile every step shape of a plain workload now, so that requests
       arriving over time never wait on a compilation (GPU only; `runner/precompile.py`).
     - `tensor_parallel_size` > 1 splits weights and KV pool over that many devices; the
-      `distributed_*` arguments join several processes (hosts) into one engine (README:
-      "Tensor parallelism and multi-host"). On processes other than 0 the constructor
+      `distributed_*` arguments join several processes (hosts) into one engine
+      (docs/tensor_parallel.md). On processes other than 0 the constructor
       builds and serves every engine process 0 builds, and ends the process (SystemExit(0))
       when process 0's program exits: every host runs the same program.
     - `params`: weights to serve instead of loading or drawing them (any layout).
