@@ -369,7 +369,7 @@ def bytes_row(cfg: ModelConfig, name: str) -> dict[str, float]:
 def render(results: dict[str, Any], settings: dict[str, Any]) -> tuple[str, str]:
     ppl, greedy = results["through_cache"], results["greedy"]
     base = ppl[FULL]
-    head = ["KV pages", "bytes/token (tiny)", "tokens/GB vs bf16 (tiny / 8B)", "perplexity",
+    head = ["KV pages", "bytes/token (this model)", "tokens/GB vs bf16 (this model / 8B)", "perplexity",
             "ppl change", "mean KL (nats)", "top-1 agree", "greedy 1st token",
             "greedy token agree", "greedy prefix agree", "greedy exact"]
     rows = []
@@ -392,8 +392,8 @@ def render(results: dict[str, Any], settings: dict[str, Any]) -> tuple[str, str]
              f"{settings['block_size']}, pages in random order). Greedy: {settings['num_prompts']} "
              f"held-out paragraph openings of {settings['prompt_len']} tokens, "
              f"{settings['max_tokens']} tokens each, through `LLM(kv_cache_dtype=...)`; "
-             "agreement is against the float32-page engine. Model weights are float32 (the "
-             "shipped bf16 values)."]
+             "agreement is against the float32-page engine. Model weights are float32 ("
+             + settings.get("weights", "the shipped bf16 values") + ")."]
     if results.get("granularity"):
         g_rows = []
         for r in results["granularity"]:
@@ -476,7 +476,9 @@ def main(argv):
                 "block_size": FLAGS.block_size, "num_prompts": len(prompts),
                 "prompt_len": FLAGS.prompt_len, "max_tokens": FLAGS.max_tokens,
                 "kv_dtypes": list(FLAGS.kv_dtypes), "scale_dtype": jnp.dtype(quant.SCALE_DTYPE).name,
-                "calibration_windows": len(calib), "seed": FLAGS.seed}
+                "calibration_windows": len(calib), "seed": FLAGS.seed,
+                "weights": ("the shipped bf16 values" if FLAGS.model == "tiny" else
+                            "the checkpoint's values, dequantized where it stores them quantized")}
 
     results: dict[str, Any] = {}
     results["through_cache"] = perplexity_through_cache(params, cfg, windows, mask, FLAGS.kv_dtypes)
