@@ -147,7 +147,7 @@ def engine_config(args: EngineArgs, cfg: ModelConfig, dtype: str, platform: str)
                         num_gpu_blocks_override=args.num_gpu_blocks_override,
                         kv_cache_dtype=args.kv_cache_dtype,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        swap_space=args.swap_space)
+                        swap_space=args.swap_space, kv_offloading_size=args.kv_offloading_size)
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens,
@@ -170,7 +170,9 @@ def size_pools(config: EngineConfig, params: Any, mesh: Any, platform: str,
     if multi_process:   # every process must build the same pool: process 0's measure
         from paxkv.parallel import multihost
         num_blocks = multihost.agree(num_blocks)
-    return config.with_pool(num_blocks, num_swap_blocks(config, block_bytes_per_device(profile)))
+    block_bytes = block_bytes_per_device(profile)
+    offload = int(config.cache.kv_offloading_size * 2**30 // block_bytes)
+    return config.with_pool(num_blocks, num_swap_blocks(config, block_bytes), offload)
 
 
 def make_runner(args: EngineArgs, config: EngineConfig, params: Any, mesh: Any, platform: str,

@@ -189,6 +189,8 @@ class CacheConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prefills
     num_gpu_blocks: int | None = None  # device blocks, null block included; None: not sized yet
     num_cpu_blocks: int = 0            # host swap blocks
+    kv_offloading_size: float = 0.0    # GiB of host memory for the host KV tier (0: none)
+    num_offload_blocks: int = 0        # its blocks, once sized
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -208,6 +210,10 @@ class CacheConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.num_offload_blocks < 0:
+            raise ValueError(f"num_offload_blocks must be >= 0, got {self.num_offload_blocks}")
 
 
 # Batch limits when LLM(...) is given none, vLLM's rule: on an accelerator with room for them
@@ -297,10 +303,13 @@ class EngineConfig:
                              f"max_position_embeddings {self.model.max_position_embeddings}")
         check_pool_fits(self.cache, self.scheduler, self.model)
 
-    def with_pool(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
-        """This config once the KV pool is sized (checked: it holds one full-length sequence)."""
+    def with_pool(self, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                  num_offload_blocks: int = 0) -> "EngineConfig":
+        """This config once the KV pool is sized (checked: it holds one full-length sequence),
+        with its host swap pool and host KV tier."""
         cache = dataclasses.replace(self.cache, num_gpu_blocks=num_gpu_blocks,
-                                    num_cpu_blocks=num_cpu_blocks)
+                                    num_cpu_blocks=num_cpu_blocks,
+                                    num_offload_blocks=num_offload_blocks)
         return dataclasses.replace(self, cache=cache)
 
 
@@ -381,6 +390,7 @@ class RunnerConfig:
     row_buckets: tuple[int, ...]
     copy_buckets: tuple[int, ...]
     tensor_parallel_size: int = 1
+    num_offload_blocks: int = 0     # the host KV tier (0: none)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -436,7 +446,8 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
         block_buckets=(max_blocks,) if on_gpu else pow2_buckets(4, max(4, max_blocks)),
         row_buckets=pow2_buckets(4, max(4, sched.max_num_seqs * 4)),
         copy_buckets=pow2_buckets(4, max(4, num_blocks)),
-        tensor_parallel_size=engine.tensor_parallel_size)
+        tensor_parallel_size=engine.tensor_parallel_size,
+        num_offload_blocks=cache.num_offload_blocks if sized else 0)
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

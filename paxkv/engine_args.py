@@ -34,6 +34,9 @@ class EngineArgs:
       (docs/tensor_parallel.md). On processes other than 0 the constructor
       builds and serves every engine process 0 builds, and ends the process (SystemExit(0))
       when process 0's program exits: every host runs the same program.
+    - `kv_offloading_size`: GiB of host memory for the host KV tier: cached blocks the device
+      pool evicts are copied there, and a later prefix hit copies them back instead of
+      computing them again (`cache/host_tier.py`; 0: none).
     - `params`: weights to serve instead of loading or drawing them (any layout).
     - `tokenizer`: "auto" (the checkpoint's), None, or a `paxkv.tokenizer.Tokenizer`.
     """
@@ -51,6 +54,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
+    kv_offloading_size: float = 0.0
     scheduler: str = "continuous"
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"

@@ -9,12 +9,14 @@ from paxkv.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, S
 
 def make_block_manager(num_blocks: int, block_size: int, num_host_blocks: int = 0, *,
                        enable_prefix_caching: bool = True, watermark: float = 0.01,
-                       windows: tuple[int | None, ...] = (None,)) -> BlockManager:
+                       windows: tuple[int | None, ...] = (None,),
+                       num_offload_blocks: int = 0) -> BlockManager:
     """A block manager over a sized pool, for the host tests that build one by hand
-    (`windows`: its KV groups' sliding windows)."""
+    (`windows`: its KV groups' sliding windows; `num_offload_blocks`: its host KV tier)."""
     return BlockManager(CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                     watermark=watermark, num_gpu_blocks=num_blocks,
-                                    num_cpu_blocks=num_host_blocks), windows)
+                                    num_cpu_blocks=num_host_blocks,
+                                    num_offload_blocks=num_offload_blocks), windows)
 
 
 def assert_no_leaks(llm) -> None:

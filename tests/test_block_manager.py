@@ -69,6 +69,8 @@ class _copies:
         self.blocks_to_copy = list(copies)
         self.blocks_to_swap_out = list(swap_out)
         self.blocks_to_swap_in = list(swap_in)
+        self.blocks_to_offload = []
+        self.blocks_to_load = []
 
 
 def test_constructor_validation():

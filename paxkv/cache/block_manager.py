@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from paxkv.cache.block_pool import NULL_BLOCK, BlockPool
+from paxkv.cache.host_tier import HostKVTier
 from pallas_kernels.arith import cdiv
 from paxkv.cache.kv_layout import blocks_held
 from paxkv.config import CacheConfig
@@ -81,9 +82,10 @@ class BlockManager:
     """
 
     def __init__(self, cache: CacheConfig, windows: tuple[int | None, ...] = (None,)) -> None:
-        """`cache` with its pool sized (`num_gpu_blocks` set; `CacheConfig` checked the rest);
-        `windows`: each KV group's sliding window, None for full attention
-        (`kv_layout.KVLayout.windows`; one full group by default)."""
+        """`cache` with its pool sized (`num_gpu_blocks` set; `CacheConfig` checked the rest,
+        `num_offload_blocks` the host KV tier's size); `windows`: each KV group's sliding
+        window, None for full attention (`kv_layout.KVLayout.windows`; one full group by
+        default)."""
         if cache.num_gpu_blocks is None:
             raise ValueError("CacheConfig.num_gpu_blocks is not set: size the pool first "
                              "(EngineConfig.with_pool)")
@@ -105,6 +107,19 @@ class BlockManager:
         self.device_pool = BlockPool(self.num_blocks, enable_caching=self.enable_prefix_caching,
                                      reserve_null_block=True, name="device")
         self.host_pool = BlockPool(self.num_host_blocks, name="host")
+
+        # The host KV tier: cached blocks the device pool evicts are copied there, and a
+        # prefix hit on them copies them back (`host_tier.py`). The copies of one schedule
+        # wait in the lists below until the scheduler takes them (`take_tier_copies`).
+        self.host_tier: HostKVTier | None = None
+        self._offloads: Copies = []    # (device block, tier slot), before the block is reused
+        self._tier_loads: Copies = []  # (tier slot, device block), before the step reads it
+        if cache.num_offload_blocks:
+            if not self._plain or not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs prefix caching and a model whose "
+                                 "layers all attend to the full context (one KV group)")
+            self.host_tier = HostKVTier(cache.num_offload_blocks)
+            self.device_pool.on_evict = self._offload
 
         self._device_seqs: dict[int, Sequence] = {}  # sequences whose table is on device
         self._host_seqs: dict[int, Sequence] = {}    # sequences whose table is on host
@@ -280,11 +295,44 @@ class BlockManager:
             out.append([NULL_BLOCK] * lo + [hit(g, i) for i in range(lo, h)])
         return out
 
+    def _tier_hits(self, seq: Sequence, start: int) -> list[BlockKey]:
+        """The keys of the blocks after the device's `start` cached ones that the host tier
+        holds, consecutively (as `_lookup`, capped to leave the last token to compute)."""
+        tier = self.host_tier
+        if tier is None or not len(tier) or seq.skip_prefix_cache:
+            return []
+        cap = (len(seq.token_ids) - 1) // self.block_size
+        keys = self._ensure_keys(seq, cap)
+        out = []
+        for i in range(start, cap):
+            if keys[i] not in tier:
+                break
+            out.append(keys[i])
+        return out
+
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens `allocate` would serve from the prefix cache for this new sequence."""
+        """Tokens `allocate` would serve from the prefix cache (the device's, then the host
+        tier's) for this new sequence."""
         if seq.seq_id in self._device_seqs:
             return 0
-        return len(self._lookup(seq)[0]) * self.block_size
+        hits = len(self._lookup(seq)[0])
+        return (hits + len(self._tier_hits(seq, hits))) * self.block_size
+
+    def _offload(self, block: int, key: BlockKey) -> None:
+        """The device pool evicts cached `block`: keep a copy in the host tier."""
+        slot = self.host_tier.store(key)
+        if slot is not None:
+            self._offloads.append((block, slot))
+
+    def take_tier_copies(self) -> tuple[Copies, Copies]:
+        """The host tier's copies this schedule made: (device block, tier slot) offloads,
+        to run before anything writes those blocks, and (tier slot, device block) loads, to
+        run before the step reads them. Clears both."""
+        offloads, loads = self._offloads, self._tier_loads
+        self._offloads, self._tier_loads = [], []
+        if self.host_tier is not None:
+            self.host_tier.unpin_all()
+        return offloads, loads
 
     def mark_computed(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register the sequence's blocks that are now full and computed in the prefix cache.
@@ -308,7 +356,10 @@ class BlockManager:
         seq.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> int:
-        """Drop every evictable cached block back to the free pool; returns how many."""
+        """Drop every evictable cached block back to the free pool, and the host tier's;
+        returns how many device blocks."""
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return self.device_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ allocation
@@ -367,10 +418,19 @@ class BlockManager:
                                     [sum(1 for b in group_hits if b == NULL_BLOCK)
                                      for group_hits in hits])
             cached_tokens = len(hits[0]) * self.block_size
+            if self.host_tier is not None:   # the prefix continues in the host tier
+                for key in self._tier_hits(seq, len(hits[0])):
+                    slot = self.host_tier.lookup(key)
+                    self.host_tier.pin(slot)
+                    block = pool.get_new_block()
+                    self._tier_loads.append((slot, block))
+                    pool.cache_block(block, key)
+                    seq.block_table.append(block)
+                    cached_tokens += self.block_size
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(seq.token_ids)
                 self.prefix_cache_hits += cached_tokens
-            seq.num_registered_blocks = len(hits[0])
+            seq.num_registered_blocks = cached_tokens // self.block_size
             self._device_seqs[seq.seq_id] = seq
         want = cdiv(num_tokens, self.block_size)
         for table in tables(seq):

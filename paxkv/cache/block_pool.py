@@ -21,7 +21,7 @@ sequence.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as SequenceOf
 
 BlockKey = Hashable  # names a block's contents: the BlockManager uses (parent hash, tokens)
@@ -54,6 +54,9 @@ class BlockPool:
         self._key: list[BlockKey | None] = [None] * num_blocks
         self._index: dict[BlockKey, int] = {}
         self.num_evictions = 0
+        # Called with (block, key) as a cached block is evicted, before its id is reused
+        # (the host KV tier keeps a copy: `BlockManager`).
+        self.on_evict: Callable[[int, BlockKey], None] | None = None
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -96,6 +99,8 @@ class BlockPool:
             b = self._free.pop()
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(b, self._key[b])
             del self._index[self._key[b]]
             self._key[b] = None
             self.num_evictions += 1

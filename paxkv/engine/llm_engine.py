@@ -318,9 +318,13 @@ class LLMEngine:
             device_s, compile_s = device_s + d, compile_s + c
         out = self.scheduler.schedule()
         # Block movement first, in this order, even on a step with nothing to compute.
+        if out.blocks_to_offload:
+            self.runner.offload(out.blocks_to_offload)
         self.runner.swap_out(out.blocks_to_swap_out)
         self.runner.swap_in(out.blocks_to_swap_in)
         self.runner.copy_blocks(out.blocks_to_copy)
+        if out.blocks_to_load:
+            self.runner.load(out.blocks_to_load)
         k = self._multi_step_count(out)
         step = None
         if out.chunks:
@@ -410,6 +414,9 @@ class LLMEngine:
         """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared), all
         or nothing; False when the pool has no room for them (the step then runs once)."""
         copies = self.block_manager.allocate_slots([(c.seq, k) for c in out.chunks])
+        offloads, _ = self.block_manager.take_tier_copies()   # blocks it evicted
+        if offloads:
+            self.runner.offload(offloads)
         if copies is None:
             return False
         self.runner.copy_blocks(copies)

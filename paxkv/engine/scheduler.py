@@ -62,14 +62,17 @@ class ScheduledChunk:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """One step's work. The device runs, in this order: `blocks_to_swap_out`
-    (device -> host), `blocks_to_swap_in` (host -> device), `blocks_to_copy` (device
-    copy-on-write, src -> dst), then the forward pass over `chunks`."""
+    """One step's work. The device runs, in this order: `blocks_to_offload` (device -> the
+    host KV tier, before evicted blocks are reused), `blocks_to_swap_out` (device -> host),
+    `blocks_to_swap_in` (host -> device), `blocks_to_copy` (device copy-on-write,
+    src -> dst), `blocks_to_load` (host KV tier -> device), then the forward over `chunks`."""
 
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_offload: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
@@ -83,7 +86,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.blocks_to_copy or self.blocks_to_swap_out
-                    or self.blocks_to_swap_in)
+                    or self.blocks_to_swap_in or self.blocks_to_offload or self.blocks_to_load)
 
 
 @dataclasses.dataclass
@@ -306,6 +309,7 @@ class Scheduler:
         out.num_batched_tokens = total
         out.num_prefill_tokens = prefill
         out.num_decode_tokens = total - prefill
+        out.blocks_to_offload, out.blocks_to_load = self.block_manager.take_tier_copies()
         self.num_steps += 1
         self._pending = out if out.chunks else None
         return out

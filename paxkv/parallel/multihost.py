@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 # Runner methods that touch the device, replayed on every process in the driver's order.
-DEVICE_CALLS = ("dispatch", "dispatch_multi_decode", "copy_blocks", "swap_out", "swap_in")
+DEVICE_CALLS = ("dispatch", "dispatch_multi_decode", "copy_blocks", "swap_out", "swap_in",
+                "offload", "load")
 # Block movements the engine asks for on every step, mostly with nothing to move: an empty
 # one touches no device, so it is not announced.
-_BLOCK_MOVES = ("copy_blocks", "swap_out", "swap_in")
+_BLOCK_MOVES = ("copy_blocks", "swap_out", "swap_in", "offload", "load")
 _STOP = "stop"        # the current engine is closed
 _ENGINE = "engine"     # build an engine: LLM keyword arguments follow
 _EXIT = "exit"         # the driver's program is over

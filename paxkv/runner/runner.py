@@ -232,6 +232,13 @@ class Runner:
         self.host_pool: kvp.KVPool | None = jax.tree.map(
             lambda x: np.zeros((num_host_blocks,) + self._local_shape(x)[1:], x.dtype),
             self.kv_pool) if num_host_blocks else None
+        # The host KV tier: evicted cached blocks, in the pool's layout (`cache/host_tier.py`
+        # keeps which slot holds what). Offloads are gathered on the device and copied to the
+        # host asynchronously; they land in these arrays at the next fetch or load.
+        self.offload_pool: kvp.KVPool | None = jax.tree.map(
+            lambda x: np.zeros((config.num_offload_blocks,) + self._local_shape(x)[1:], x.dtype),
+            self.kv_pool) if config.num_offload_blocks else None
+        self._pending_offloads: list[tuple[Any, np.ndarray]] = []
         # The last step's sampled tokens, kept on the device for the next step's placeholders.
         self._last_tokens = self._ids(np.zeros((self.row_buckets[-1],), np.int32))
         self.compiled_keys: set[tuple] = set()
@@ -277,39 +284,72 @@ class Runner:
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
         self.kv_pool = _copy_blocks(self.kv_pool, self._ids(src), self._ids(dst))
 
+    def _gather(self, dev: np.ndarray) -> kvp.KVPool:
+        """Device blocks `dev` of every layer, gathered on the device (a bucketed count)."""
+        padded = np.zeros(pick_bucket(len(dev), self.copy_buckets), np.int32)  # pad: null block
+        padded[:len(dev)] = dev
+        return _gather_blocks(self.kv_pool, self._ids(padded))
+
+    def _to_host(self, blocks: kvp.KVPool, host: kvp.KVPool, slots: np.ndarray) -> None:
+        """Gathered `blocks` (this process's heads) into rows `slots` of host arrays."""
+        if self.mesh is not None:
+            from paxkv.parallel.sharding import to_host_local
+            blocks = jax.tree.map(to_host_local, blocks)
+        for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(blocks)):
+            h[slots] = np.asarray(d)[:len(slots)]
+
+    def _scatter_from_host(self, host: kvp.KVPool, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host rows -> device blocks, for (host row, device block) `pairs`."""
+        src, dev = (np.asarray(x, np.int32) for x in zip(*pairs))
+        n = len(dev)
+        size = pick_bucket(n, self.copy_buckets)   # bucketed: a new count compiles nothing
+        src_p = np.full(size, src[0], np.int32)
+        src_p[:n] = src
+        dev_p = np.zeros(size, np.int32)           # padding rows land in the null block
+        dev_p[:n] = dev
+        if self.mesh is None:
+            blocks = jax.tree.map(lambda h: jnp.asarray(h[src_p]), host)
+        else:
+            from paxkv.parallel.sharding import from_host_local
+            blocks = jax.tree.map(lambda h, x: from_host_local(h[src_p], x.sharding, (size,) + x.shape[1:]),
+                                  host, self.kv_pool)
+        self.kv_pool = _scatter_blocks(self.kv_pool, self._ids(dev_p), blocks)
+
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Device blocks -> host pool (preemption by swapping)."""
         if not pairs:
             return
         dev, host = (np.asarray(x, np.int32) for x in zip(*pairs))
-        n = len(dev)
-        padded = np.zeros(pick_bucket(n, self.copy_buckets), np.int32)  # pad: the null block
-        padded[:n] = dev
-        blocks = _gather_blocks(self.kv_pool, self._ids(padded))
-        if self.mesh is not None:
-            from paxkv.parallel.sharding import to_host_local
-            blocks = jax.tree.map(to_host_local, blocks)
-        for h, d in zip(jax.tree.leaves(self.host_pool), jax.tree.leaves(blocks)):
-            h[host] = np.asarray(d)[:n]
+        self._to_host(self._gather(dev), self.host_pool, host)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Host pool -> device blocks."""
+        if pairs:
+            self._scatter_from_host(self.host_pool, pairs)
+
+    def offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Evicted device blocks -> host KV tier slots, for (device block, slot) `pairs`. The
+        copy to the host starts now and overlaps the step; it lands at the next fetch."""
         if not pairs:
             return
-        host, dev = (np.asarray(x, np.int32) for x in zip(*pairs))
-        n = len(dev)
-        size = pick_bucket(n, self.copy_buckets)   # bucketed: a new count compiles nothing
-        host_p = np.full(size, host[0], np.int32)
-        host_p[:n] = host
-        dev_p = np.zeros(size, np.int32)           # padding rows land in the null block
-        dev_p[:n] = dev
+        dev, slots = (np.asarray(x, np.int32) for x in zip(*pairs))
+        blocks = self._gather(dev)
         if self.mesh is None:
-            blocks = jax.tree.map(lambda h: jnp.asarray(h[host_p]), self.host_pool)
-        else:
-            from paxkv.parallel.sharding import from_host_local
-            blocks = jax.tree.map(lambda h, x: from_host_local(h[host_p], x.sharding, (size,) + x.shape[1:]),
-                                  self.host_pool, self.kv_pool)
-        self.kv_pool = _scatter_blocks(self.kv_pool, self._ids(dev_p), blocks)
+            for leaf in jax.tree.leaves(blocks):
+                leaf.copy_to_host_async()
+        self._pending_offloads.append((blocks, slots))
+
+    def _land_offloads(self) -> None:
+        for blocks, slots in self._pending_offloads:
+            self._to_host(blocks, self.offload_pool, slots)
+        self._pending_offloads = []
+
+    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host KV tier slots -> device blocks, for (slot, device block) `pairs` (a prefix
+        hit on blocks the device had evicted)."""
+        if pairs:
+            self._land_offloads()     # a slot may have been offloaded by this very step
+            self._scatter_from_host(self.offload_pool, pairs)
 
     # ---- the step -----------------------------------------------------------------------
     _table_rows: dict[tuple[int, int], TableRows] | None = None   # per table shape, made on use
@@ -529,6 +569,8 @@ class Runner:
                             compiled=pending.new)
         t_wait = time.perf_counter()
         arrays = transfer.unpack_host(np.asarray(pending.out), pending.out_spec)
+        if self._pending_offloads:    # copied to the host while the step ran
+            self._land_offloads()
         if pending.multi:
             n = pending.num_rows
             host = HostSample(arrays[0][:, :n], arrays[1][:, :n],
@@ -589,6 +631,8 @@ class Runner:
         self.params = None
         self.kv_pool = None
         self.host_pool = None
+        self.offload_pool = None
+        self._pending_offloads = []
 
     def execute(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
                 fill_masks: Callable[[list[SampleRow]], list[SampleRow]] | None = None,

@@ -45,9 +45,13 @@ class KVContentModel:
         self.windows = tuple(windows)
         self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
+        self.tier: dict[int, list[int | None]] = {}    # the host KV tier's slots
 
     def apply_copies(self, out: SchedulerOutput) -> None:
-        """Swap-out, then swap-in, then copy-on-write: the order the device runs them in."""
+        """Offloads to the host KV tier, swap-out, swap-in, copy-on-write, then loads from the
+        tier: the order the device runs them in."""
+        for d, slot in out.blocks_to_offload:
+            self.tier[slot] = list(self.device[d])
         for d, h in out.blocks_to_swap_out:
             self.host[h] = list(self.device[d])
         for h, d in out.blocks_to_swap_in:
@@ -56,6 +60,8 @@ class KVContentModel:
             if src == dst:
                 raise AssertionError(f"copy-on-write from block {src} onto itself")
             self.device[dst] = list(self.device[src])
+        for slot, d in out.blocks_to_load:
+            self.device[d] = list(self.tier[slot])
 
     def run_chunk(self, chunk: ScheduledChunk, ids: list[int] | None = None) -> None:
         """Check the context the chunk attends to, then write its new tokens."""
