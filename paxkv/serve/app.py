@@ -1,19 +1,25 @@
 """The OpenAI-compatible routes (FastAPI): completions, chat, models, tokenize, health, metrics.
 
 A handler parses its body with the protocol models, builds SamplingParams and runs the
-engine's own request checks on the event loop, so bad input is a 400 before anything reaches
-the engine (its own process by default, `engine_client.py`; a thread of this one with
-`--no-engine-process`, `engine_loop.py`: the routes see either as an `EngineHandle`). Admission is bounded: requests that have not produced a token yet count
-as waiting, and beyond `max_waiting_requests` a new one gets 503. Responses stream as
+engine's own request checks, so bad input is a 400 before anything reaches the engine (its
+own process by default, `engine_client.py`; a thread of this one with `--no-engine-process`,
+`engine_loop.py`: the routes see either as an `EngineHandle`). Bodies are read under the
+bounds of `limits.py`; tokenization, chat templates, grammars and large bodies' parsing run on
+a worker thread, so one heavy request never stalls the event loop (and /health) for others.
+Admission is bounded: requests that have not produced a token yet count as waiting, reserved
+at admission, and beyond `max_waiting_requests` a new one gets 503. Responses stream as
 server-sent events (`data: {json}` per delta, `data: [DONE]` last); a client that goes away
 has its requests aborted (by the generator's `finally`), freeing their blocks before the next
-engine step.
+engine step. When the server stops, responses still open after `--shutdown-timeout` end with
+an error (a stream: an error event, then `[DONE]`).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -23,17 +29,21 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paxkv.sampling_params import SamplingParams
 from paxkv.serve import protocol as proto
 from paxkv.serve.handle import EngineHandle
 from paxkv.serve.streams import EngineError, SampleDelta, Update
 from paxkv.serve.errors import APIError, check_json_object, from_validation_error, from_value_error
+from paxkv.serve.limits import RequestLimits, read_body
 from paxkv.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("paxkv.serve")
 
 _OPEN_PATHS = ("/health", "/metrics")
+_PARSE_ON_LOOP_BYTES = 64 << 10   # larger bodies are parsed on the worker thread
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclasses.dataclass
@@ -44,7 +54,9 @@ class ServerState:
     served_model_names: list[str]
     api_key: str | None = None
     max_waiting_requests: int = 10_000
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
     waiting: int = 0        # admitted engine requests that have produced no token yet
+    stopping: bool = False  # open responses are being ended (the server stops)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -55,6 +67,19 @@ class ServerState:
         self.max_num_seqs = info.max_num_seqs
         self.max_logprobs = info.max_logprobs
         self.vocab_size = info.vocab_size
+        # One worker: request preparation stays in arrival order and off the event loop.
+        self.prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paxkv-prep")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run host work that scales with the request (tokenizing, templates, grammars)."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    def end_open_responses(self) -> None:
+        """Shutdown's last word: every response still open ends now with an error."""
+        self.stopping = True
+        ended = self.engine.end_all(SHUTDOWN_MESSAGE)
+        if ended:
+            logger.warning("shutdown: ended %d requests still running", ended)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -63,6 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
         await state.engine.start()
         yield
         await state.engine.shutdown()
+        state.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="paxkv", lifespan=lifespan)
     app.state.paxkv = state
@@ -72,6 +98,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        """A bug is still a 500 in OpenAI's shape (logged with its traceback)."""
+        logger.error("internal error on %s", request.url.path, exc_info=e)
+        return APIError(500, f"internal error: {type(e).__name__}", None, "internal_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods answer in OpenAI's error shape too."""
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return APIError(e.status_code, message, None, str(e.detail).lower().replace(" ", "_")).response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,11 +121,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "paxkv",
+                "root": name, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "paxkv",
-             "root": name, "max_model_len": state.max_model_len} for name in state.served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -98,10 +143,12 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give exactly one of prompt and messages", "prompt", "invalid_value")
         try:
             if body.messages is not None:
-                ids = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                              add_generation_prompt=body.add_generation_prompt)
+                ids = await state.off_loop(lambda: tok.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt))
             else:
-                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = await state.off_loop(lambda: tok.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens))
         except ValueError as e:
             raise from_value_error(e, default="messages") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -116,19 +163,26 @@ def build_app(state: ServerState) -> FastAPI:
         if bad:
             raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})",
                            "tokens", "invalid_value")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await state.off_loop(tok.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, proto.CompletionRequest)
         params = _prepare(state, body, {}, body.logprobs, "logprobs")
         prompts = body.prompts()
-        ids = [_check_prompt(state, p, params, "prompt", body) for p in prompts]
-        # The prompt's text is needed only to echo it (token-id prompts are decoded for that).
-        texts = [p if isinstance(p, str) else _decode(state, i) if body.echo else ""
-                 for p, i in zip(prompts, ids)]
+
+        def prepare() -> tuple[list[list[int]], list[str]]:
+            ids = [_check_prompt(state, p, params, "prompt", body) for p in prompts]
+            # The prompt's text is needed only to echo it (token-id prompts are decoded for that).
+            texts = [p if isinstance(p, str) else _decode(state, i) if body.echo else ""
+                     for p, i in zip(prompts, ids)]
+            return ids, texts
+
+        ids, texts = await state.off_loop(prepare)
+        for i in ids:
+            _check_length(state, len(i), body.max_tokens, "max_tokens", body.min_tokens)
         return await _respond(state, request, body, params, ids,
-                              _CompletionFormat(state, body, texts))
+                              _CompletionFormat(state, body, texts, ids))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -137,13 +191,19 @@ def build_app(state: ServerState) -> FastAPI:
                    else "max_tokens", "logprobs": "top_logprobs"}
         params = _prepare(state, body, renames, params_logprobs(body), "top_logprobs")
         tok = _need_tokenizer(state, "messages")
-        try:
-            prompt = tok.apply_chat_template(body.conversation(),
-                                             add_generation_prompt=body.add_generation_prompt)
-        except ValueError as e:
-            raise from_value_error(e, default="messages") from None
-        ids = [_check_prompt(state, prompt, params, "messages", body)]
-        return await _respond(state, request, body, params, ids, _ChatFormat(state, body))
+
+        def prepare() -> list[int]:
+            try:
+                prompt = tok.apply_chat_template(body.conversation(),
+                                                 add_generation_prompt=body.add_generation_prompt)
+            except ValueError as e:
+                raise from_value_error(e, default="messages") from None
+            return _check_prompt(state, prompt, params, "messages", body)
+
+        ids = await state.off_loop(prepare)
+        max_field = renames["max_tokens"]
+        _check_length(state, len(ids), getattr(body, max_field), max_field, body.min_tokens)
+        return await _respond(state, request, body, params, [ids], _ChatFormat(state, body))
 
     return app
 
@@ -162,7 +222,7 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if header != self.expected:
+            if not hmac.compare_digest(header, self.expected):   # constant time: no timing oracle
                 response = APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                     None, "invalid_api_key").response()
                 await response(scope, receive, send)
@@ -176,16 +236,22 @@ def params_logprobs(body: proto.ChatCompletionRequest) -> int | None:
 
 # ---- request checks ------------------------------------------------------------------------
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    check_json_object(raw)
-    try:
-        body = model.model_validate_json(raw)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    state: ServerState = request.app.state.paxkv
+    raw = await read_body(request, state.limits)
+    body = _validate(raw, model) if len(raw) <= _PARSE_ON_LOOP_BYTES else \
+        await state.off_loop(_validate, raw, model)
     extra = body.unknown_fields() if isinstance(body, proto.OpenAIModel) else []
     if extra:
         logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
     return body
+
+
+def _validate(raw: bytes, model: type[BaseModel]) -> Any:
+    check_json_object(raw)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -234,6 +300,19 @@ def _check_prompt(state: ServerState, prompt: Any, params: SamplingParams, field
         raise from_value_error(e, renames, default=field) from None
 
 
+def _check_length(state: ServerState, num_prompt: int, max_tokens: int | None, field: str,
+                  min_tokens: int) -> None:
+    """vLLM's check: prompt + max_tokens (and min_tokens) must fit max_model_len; a request
+    that sets neither gets whatever room the prompt leaves."""
+    room = state.max_model_len - num_prompt
+    for name, value in ((field, max_tokens), ("min_tokens", min_tokens)):
+        if value is not None and value > room:
+            raise APIError(400, f"This model's maximum context length is {state.max_model_len} "
+                           f"tokens. However, you requested {num_prompt + value} tokens "
+                           f"({num_prompt} in the prompt, {value} in {name}). Please reduce the "
+                           f"length of the prompt or {name}.", name, "context_length_exceeded")
+
+
 def _decode(state: ServerState, ids: list[int]) -> str:
     return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
 
@@ -245,21 +324,55 @@ def _token_str(state: ServerState, token: int) -> str:
 
 
 # ---- running requests ------------------------------------------------------------------------
-def _check_capacity(state: ServerState, count: int) -> None:
-    """503 when `count` more requests would overflow the bound on waiting requests."""
-    if state.waiting + count > state.max_waiting_requests:
-        state.metrics.requests_rejected.inc()
-        raise APIError(503, f"too many requests waiting ({state.waiting}; the bound is "
-                       f"{state.max_waiting_requests}): retry later", None, "queue_full")
+class _Admission:
+    """Waiting slots taken at admission, in the same event-loop turn as the bound's check (so
+    a burst cannot pass the check before any of it is counted); each engine request gives its
+    slot back at its first token or its end, and the response's end gives back the rest."""
+
+    def __init__(self, state: ServerState, count: int) -> None:
+        if state.waiting + count > state.max_waiting_requests:
+            state.metrics.requests_rejected.inc()
+            raise APIError(503, f"too many requests waiting ({state.waiting}; the bound is "
+                           f"{state.max_waiting_requests}): retry later", None, "queue_full")
+        state.waiting += count
+        self.state, self.held = state, count
+
+    def release(self, count: int = 1) -> None:
+        count = min(count, self.held)
+        self.held -= count
+        self.state.waiting -= count
+
+    def release_all(self) -> None:
+        self.release(self.held)
 
 
-async def _merged(state: ServerState, request_id: str, ids: list[list[int]], params: SamplingParams,
-                  stream: bool) -> AsyncIterator[tuple[int, Update]]:
+class _AdmittedStream(StreamingResponse):
+    """A streamed response that gives back its admission however it ends, even when the
+    client left before its generator started (an unstarted generator runs no `finally`)."""
+
+    def __init__(self, admission: _Admission, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.admission = admission
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release_all()
+
+
+def _engine_error(state: ServerState, e: EngineError) -> APIError:
+    if state.stopping:
+        return APIError(503, str(e), None, "server_shutdown")
+    return APIError(500, str(e), None, "engine_error")
+
+
+async def _merged(state: ServerState, admission: _Admission, request_id: str, ids: list[list[int]],
+                  params: SamplingParams, stream: bool) -> AsyncIterator[tuple[int, Update]]:
     """Run one engine request per prompt and yield (prompt index, update) as they come.
 
     Leaving early cancels the consumers, whose generators abort their engine requests.
     """
-    state.waiting += len(ids)
     if len(ids) == 1:   # the common case: no merging queue, one task switch less per delta
         waiting = True
         try:
@@ -268,13 +381,13 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
                 async for update in updates:
                     if waiting:
                         waiting = False
-                        state.waiting -= 1
+                        admission.release()
                     yield 0, update
         except EngineError as e:
-            raise APIError(500, str(e), None, "engine_error") from None
+            raise _engine_error(state, e) from None
         finally:
             if waiting:
-                state.waiting -= 1
+                admission.release()
         return
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -284,13 +397,13 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
             async for update in state.engine.generate(f"{request_id}-{k}", prompt_ids, params, stream):
                 if waiting:
                     waiting = False
-                    state.waiting -= 1
+                    admission.release()
                 await merged.put((k, update))
         except EngineError as e:
             await merged.put((k, e))
         finally:
             if waiting:
-                state.waiting -= 1
+                admission.release()
             await merged.put((k, None))
 
     tasks = [asyncio.ensure_future(consume(k, p)) for k, p in enumerate(ids)]
@@ -301,7 +414,7 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
             if item is None:
                 live -= 1
             elif isinstance(item, EngineError):
-                raise APIError(500, str(item), None, "engine_error")
+                raise _engine_error(state, item)
             else:
                 yield k, item
     finally:
@@ -313,15 +426,25 @@ async def _merged(state: ServerState, request_id: str, ids: list[list[int]], par
 async def _respond(state: ServerState, request: Request, body: proto.SamplingFields,
                    params: SamplingParams, ids: list[list[int]], fmt: "_Format") -> Response:
     request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
-    _check_capacity(state, len(ids))   # a full queue is a 503 now, not an error in a stream
+    if state.stopping:
+        raise APIError(503, SHUTDOWN_MESSAGE, None, "server_shutdown")
+    admission = _Admission(state, len(ids))   # a full queue is a 503 now, not an error in a stream
     if body.stream:
-        return StreamingResponse(_sse(state, request_id, body, params, ids, fmt),
-                                 media_type="text/event-stream")
+        return _AdmittedStream(admission, _sse(state, admission, request_id, body, params, ids, fmt))
+    try:
+        return await _collect(state, admission, request, request_id, params, ids, fmt)
+    finally:
+        admission.release_all()
+
+
+async def _collect(state: ServerState, admission: _Admission, request: Request, request_id: str,
+                   params: SamplingParams, ids: list[list[int]], fmt: "_Format") -> Response:
+    """The whole (non-streamed) response, or 499 when the client left first."""
     finals: dict[tuple[int, int], SampleDelta] = {}
     usage = [0] * len(ids), [0] * len(ids)
 
     async def collect() -> None:
-        async for k, update in _merged(state, request_id, ids, params, stream=False):
+        async for k, update in _merged(state, admission, request_id, ids, params, stream=False):
             usage[0][k], usage[1][k] = update.num_prompt_tokens, update.num_output_tokens
             if update.prompt_logprobs is not None:
                 fmt.prompt_logprobs[k] = update.prompt_logprobs
@@ -355,8 +478,9 @@ def _usage(usage: tuple[list[int], list[int]]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-async def _sse(state: ServerState, request_id: str, body: proto.SamplingFields,
-               params: SamplingParams, ids: list[list[int]], fmt: "_Format") -> AsyncIterator[str]:
+async def _sse(state: ServerState, admission: _Admission, request_id: str,
+               body: proto.SamplingFields, params: SamplingParams, ids: list[list[int]],
+               fmt: "_Format") -> AsyncIterator[str]:
     usage = [len(i) for i in ids], [0] * len(ids)
     try:
         for k in range(len(ids)):
@@ -364,7 +488,7 @@ async def _sse(state: ServerState, request_id: str, body: proto.SamplingFields,
                 first = fmt.first_chunk(k * params.n + i, k)
                 if first is not None:
                     yield _event(fmt.chunk(request_id, [first]))
-        async for k, update in _merged(state, request_id, ids, params, stream=True):
+        async for k, update in _merged(state, admission, request_id, ids, params, stream=True):
             usage[1][k] = update.num_output_tokens
             choices = [fmt.stream_choice(k * params.n + d.index, d, k) for d in update.deltas
                        if d.text or d.logprobs or d.finish_reason or fmt.untokenized]
@@ -421,10 +545,36 @@ class _Format:
 
 class _CompletionFormat(_Format):
 
-    def __init__(self, state: ServerState, body: proto.CompletionRequest, prompt_texts: list[str]):
+    def __init__(self, state: ServerState, body: proto.CompletionRequest, prompt_texts: list[str],
+                 prompt_ids: list[list[int]]):
         super().__init__(state, body)
-        self.body, self.prompt_texts = body, prompt_texts
+        self.body, self.prompt_texts, self.prompt_ids = body, prompt_texts, prompt_ids
         self.echoed: set[int] = set()
+
+    def _echo_logprobs(self, index: int, k: int) -> dict[str, Any]:
+        """OpenAI's logprobs of an echoed prompt (what lm-eval scores): each prompt token's
+        logprob, None for the first; the top `logprobs` alternatives with the token itself."""
+        entries = self.prompt_logprobs.get(k) or [None] * len(self.prompt_ids[k])
+        top_n = self.body.logprobs or 0
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tok, entry in zip(self.prompt_ids[k], entries):
+            s = _token_str(self.state, tok)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(entry[tok])
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            top = {_token_str(self.state, t): lp for t, lp in best}
+            top.setdefault(s, entry[tok])
+            tops.append(top)
+        self.offsets[index] = offset   # generated tokens' offsets continue after the prompt
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
 
     def _logprobs(self, index: int, d: SampleDelta) -> dict[str, Any] | None:
         if d.logprobs is None or self.body.logprobs is None:
@@ -450,8 +600,18 @@ class _CompletionFormat(_Format):
 
     def choice(self, index: int, d: SampleDelta, k: int) -> dict[str, Any]:
         echo = self.prompt_texts[k] if self.body.echo else ""
-        out = {"index": index, "text": echo + d.text, "logprobs": self._logprobs(index, d),
-               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        only_prompt = self.body.echo_only
+        logprobs = None
+        if self.body.echo and self.body.logprobs is not None:
+            logprobs = self._echo_logprobs(index, k)
+            generated = None if only_prompt else self._logprobs(index, d)
+            for key, values in (generated or {}).items():
+                logprobs[key] += values
+        else:
+            logprobs = self._logprobs(index, d)
+        out = {"index": index, "text": echo + ("" if only_prompt else d.text), "logprobs": logprobs,
+               "finish_reason": "length" if only_prompt else d.finish_reason,
+               "stop_reason": None if only_prompt else d.stop_reason}
         if self.body.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs_of(k)
         return out
@@ -463,6 +623,8 @@ class _CompletionFormat(_Format):
 
     def response(self, request_id: str, choices: list[dict[str, Any]],
                  usage: dict[str, int]) -> dict[str, Any]:
+        if self.body.echo_only:   # the one step's token was dropped
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
         return self.chunk(request_id, choices, usage)
 
 

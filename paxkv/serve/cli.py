@@ -12,8 +12,9 @@ usage error naming the field). argparse rather than absl here: vLLM's dashed
 names and `--no-` booleans are what users of `vllm serve` type.
 
 Shutdown: uvicorn handles SIGTERM / SIGINT by closing the listening socket, letting the
-open responses finish (up to --shutdown-timeout seconds, after which they are cancelled and
-their requests aborted), then stopping the engine (process or thread); the process exits 0.
+open responses finish (up to --shutdown-timeout seconds, after which each still open ends with
+an OpenAI error, a stream with an error event and `[DONE]`, and its request is aborted), then
+stopping the engine (process or thread); the process exits 0.
 If the engine process dies, requests in flight fail, the server shuts down and exits 1.
 """
 from __future__ import annotations
@@ -112,7 +113,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                         help="requests without a first token at most; beyond, new ones get 503 "
                         "(default: 10000)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight responses get to finish after SIGTERM (default: 30)")
+                        help="seconds in-flight responses get to finish after SIGTERM; then "
+                        "they end with an error (a stream: error event and [DONE]) (default: 30)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="largest request body; a larger one gets 413 (default: 32 bytes "
+                        "per token of max_model_len, at least 1 MiB)")
+    parser.add_argument("--read-timeout", type=float, default=30.0,
+                        help="seconds a client gets to send a request's headers (else the "
+                        "connection is closed), then again its body (else 408) (default: 30)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -157,10 +165,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting_requests < 0:
         parser.error("--max-waiting-requests must be >= 0")
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
+        parser.error("--max-request-body-bytes must be >= 1")
+    if args.read_timeout <= 0 or args.shutdown_timeout < 0:
+        parser.error("--read-timeout must be > 0 and --shutdown-timeout >= 0")
 
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from paxkv.serve.app import ServerState, build_app
+    from paxkv.serve.limits import RequestLimits, default_max_body_bytes, with_header_timeout
     from paxkv.serve.metrics import ServerMetrics
 
     served = args.served_model_name or [args.model]
@@ -176,13 +190,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:   # the engine process died while loading (its log says why)
         logger.error("%s", e)
         return 1
+    max_body = args.max_request_body_bytes or default_max_body_bytes(engine.info.max_model_len)
     state = ServerState(engine, served, api_key=args.api_key,
-                        max_waiting_requests=args.max_waiting_requests)
+                        max_waiting_requests=args.max_waiting_requests,
+                        limits=RequestLimits(max_body, args.read_timeout))
     app = build_app(state)
+    # uvicorn cancels responses still open at its own deadline, cutting streams mid-chunk;
+    # ours comes first (`_draining_server`) and ends them cleanly, so uvicorn's is a backstop.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
-    server = uvicorn.Server(config)
+                            http=with_header_timeout(AutoHTTPProtocol, args.read_timeout),
+                            timeout_graceful_shutdown=args.shutdown_timeout + _BACKSTOP_S,
+                            lifespan="on")
+    server = _draining_server(config, state, args.shutdown_timeout)
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that does
     # nothing makes that a clean exit 0 instead of death by SIGTERM.
@@ -199,6 +219,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("exiting: %s", engine.fatal)
         return 1
     return 0
+
+
+_BACKSTOP_S = 5.0
+
+
+def _draining_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
+    """uvicorn.Server whose shutdown ends the responses still open after `shutdown_timeout`
+    seconds with an error (see the module docstring), before uvicorn's own deadline."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, state.end_open_responses)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(config)
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:

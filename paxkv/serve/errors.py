@@ -16,7 +16,9 @@ class APIError(Exception):
     """Raised by handlers; becomes an OpenAI error response."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             500: "internal_server_error", 503: "service_unavailable"}
+             405: "invalid_request_error", 408: "invalid_request_error",
+             413: "invalid_request_error", 500: "internal_server_error",
+             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None) -> None:
@@ -53,6 +55,8 @@ def check_json_object(raw: bytes) -> None:
         doc = json.loads(raw)
     except ValueError as e:
         raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:   # the parser's depth bound (about 1000 levels)
+        raise APIError(400, "the body is nested too deeply", None, "invalid_json") from None
     if not isinstance(doc, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
 

@@ -36,6 +36,7 @@ class EngineHandle:
                                            num_layers=info.num_layers)
         self._features = RequestFeatures(tokenizer, info.vocab_size, list(info.eos_token_ids))
         self._keys = itertools.count()
+        self._live: dict[int, RequestStream] = {}   # requests a route is still consuming
         if tokenizer is not None:   # builds the byte table now (seconds for a 128k vocabulary),
             IncrementalDetokenizer(tokenizer)   # not on the event loop at the first stream
 
@@ -68,6 +69,7 @@ class EngineHandle:
         rs = RequestStream(params, stream, self.tokenizer, sink, time.monotonic(), len(prompt_ids))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self._submit(key, request_id, prompt_ids, params, stream, rs)
+        self._live[key] = rs
         finished = False
         try:
             while not finished:
@@ -80,9 +82,21 @@ class EngineHandle:
                 finished = update.finished
                 yield update
         finally:
+            self._live.pop(key, None)
             if not finished:
                 self.metrics.requests_aborted.inc()
                 self._abort(key)
+
+    def end_all(self, message: str) -> int:
+        """End every request a route is consuming with an error update (their routes answer
+        with an error, a stream with an error event and `[DONE]`) and abort them in the engine;
+        used when the server stops and cannot wait any longer. Returns how many ended."""
+        live, self._live = self._live, {}
+        for key, rs in live.items():
+            rs.sink.put_nowait(Update([], True, rs.num_prompt_tokens, rs.num_output_tokens, message))
+            self.metrics.requests_aborted.inc()
+            self._abort(key)
+        return len(live)
 
     # ---- what a subclass provides -------------------------------------------------------------
     def _submit(self, key: int, request_id: str, prompt_ids: list[int], params: SamplingParams,

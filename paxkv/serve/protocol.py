@@ -11,6 +11,7 @@ older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or vL
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -187,17 +188,28 @@ class CompletionRequest(SamplingFields):
             return [list(p)]
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: score the prompt, generate nothing (lm-eval's
+        loglikelihood requests; vLLM runs one step and drops its token, as here)."""
+        return self.echo and self.max_tokens == 0
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs is not supported (prompt_logprobs gives the prompt's)"
+        if self.echo and self.stream and (self.logprobs is not None or self.max_tokens == 0):
+            return "echo", "echo with logprobs or max_tokens 0 cannot be streamed"
         if self.stream and self.best_of is not None and self.best_of > self.n:
             return "best_of", "best_of > n cannot be streamed"
         return super().unsupported()
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.common_params(self.max_tokens, self.logprobs, self.best_of)
+        params = self.common_params(1 if self.echo_only else self.max_tokens, self.logprobs,
+                                    self.best_of)
+        if self.echo and self.logprobs is not None:   # the echoed prompt's logprobs
+            params = dataclasses.replace(params, prompt_logprobs=max(self.prompt_logprobs or 0,
+                                                                     self.logprobs))
+        return params
 
 
 class TextPart(OpenAIModel):

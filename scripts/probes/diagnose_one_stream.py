@@ -8,10 +8,9 @@ step goes).
     PYTHONPATH=<another commit's paxkv>:. python3 scripts/probes/diagnose_one_stream.py   # compare commits
     PYTHONPATH=. python3 scripts/probes/diagnose_one_stream.py --noprofile   # the timed runs only
 """
-import cProfile, hashlib, pstats, sys, time, io, os
+import cProfile, hashlib, pstats, sys, time, io
 t0 = time.perf_counter()
 from paxkv import LLM, SamplingParams
-import jax
 llm = LLM("llama3-8b", tokenizer=None, seed=0)
 eng = llm.llm_engine
 print("setup_s", round(time.perf_counter() - t0, 1), "backend", getattr(eng.runner, "backend", None), flush=True)

@@ -7,10 +7,9 @@ the process was started with (compare command-buffer settings, one process each)
 Prints one RESULT line: tokens/s, the median time inside Runner.dispatch, and the median
 wall, host and device-wait times of full-batch decode steps.
 """
-import os, time, statistics, json, sys
+import os, time, statistics, json
 t0 = time.perf_counter()
 from paxkv import LLM, SamplingParams
-import jax
 llm = LLM("llama3-8b", tokenizer=None, seed=0)
 eng = llm.llm_engine
 runner = eng.runner
