@@ -21,6 +21,8 @@ import pytest
 from paxkv import LLM, SamplingParams
 from serve_helpers import ServerProcess, compile_cache_env, use_compile_cache
 
+pytestmark = pytest.mark.slow   # a server of its own: about 45 s on 2 cores
+
 ENGINE = ["--max-num-seqs", "1", "--max-model-len", "2048", "--max-num-batched-tokens", "256"]
 MAX_WAITING = 2
 READ_TIMEOUT = 2.0
