@@ -27,7 +27,8 @@ class CapacitySettings:
     """The KV capacity planner over devices, models and KV dtypes (arithmetic; the gpu
     setting also allocates the planned pool on the device to check the plan)."""
 
-    models: tuple[str, ...] = ("llama3-8b",)
+    # Mixtral-8x7B's bf16 weights (93 GB) fit only the H200; Qwen3-30B-A3B's (61 GB) an H100 too.
+    models: tuple[str, ...] = ("llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b")
     gpus: tuple[str, ...] = tuple(GPUS)
     weight_dtype_bytes: float = 2.0                   # bf16 weights
     # (model, gpu, weight bytes) plans outside the grid: Llama-3-70B only fits one device
@@ -45,7 +46,7 @@ class CapacitySettings:
     measure_on_device: bool = False
     device_model: str = "llama3-8b"
     # Tensor-parallel planning: these models split over 1..8 of these devices (bf16 weights).
-    tp_models: tuple[str, ...] = ("llama3-8b", "llama3-70b")
+    tp_models: tuple[str, ...] = ("llama3-8b", "llama3-70b", "mixtral-8x7b")
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     tp_gpu: str = "H200 (141 GB)"
 

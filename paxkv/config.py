@@ -76,6 +76,15 @@ class ModelConfig:
     embedding_multiplier: float = 1.0        # embeddings times this, in the compute dtype
     norm_unit_offset: bool = False           # RMSNorm gains stored as w, applied as 1 + w
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    # Mixture of experts: the layers in `moe_layers` replace the MLP by `num_experts` gated
+    # MLPs of width `moe_intermediate_size`; each token runs through the `num_experts_per_tok`
+    # its router ranks highest, weighted by the router's softmax (renormalised over the chosen
+    # ones with `norm_topk_prob`). No experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -96,6 +105,16 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, "
                              f"got {self.hidden_act!r}")
+        if self.moe_layers:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts="
+                                 f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("ModelConfig.moe_intermediate_size must be positive, got "
+                                 f"{self.moe_intermediate_size}")
+            if not all(0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"ModelConfig.moe_layers must index layers [0, {self.num_layers}), "
+                                 f"got {self.moe_layers}")
 
     @property
     def q_per_kv(self) -> int:
@@ -125,17 +144,25 @@ class ModelConfig:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward block is a mixture of experts."""
+        return layer in self.moe_layers
+
     def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
         """K and V of one token over all layers (Llama-3-8B bf16: 131072 B)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of the model; `active`: those one token reads (its experts only)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h
         per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        ffn = sum(moe if self.is_moe_layer(layer) else 3 * h * i for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * per_layer + ffn + h + head
 
 
 _LLAMA3_8B = ModelConfig(
@@ -152,6 +179,19 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-70b": dataclasses.replace(
         _LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
         num_kv_heads=8, name="llama3-70b"),
+    # Mixture-of-experts shapes (random weights; `paxkv/model/moe.py`).
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-5,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), name="mixtral-8x7b",
+        architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, moe_layers=tuple(range(32))),
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, eos_token_ids=(151645,), name="qwen3-30b-a3b",
+        architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, moe_layers=tuple(range(48))),
     # Random-weight stand-in of the embedded model's shape; the trained one ships in
     # paxkv/assets/tiny and `LLM(model="tiny")` resolves to it when present.
     "tiny-random": ModelConfig(

@@ -244,6 +244,9 @@ def latency_run(llm, cfg, bw: dict) -> dict:
     decode_s = m.finished_time - m.first_token_time
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.llm_engine.runner.params))
     weight_bytes -= cfg.vocab_size * cfg.hidden_size * 2  # the embedding is gathered, not read
+    # A mixture-of-experts token reads only its own experts: the active-weights roofline.
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    weight_bytes -= len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert_bytes
     # Under tensor parallelism each of the N devices reads its 1/N of the weights.
     roofline = FLAGS.tensor_parallel_size * bw["ceiling_TBps"] * 1e12 / weight_bytes
     tps = 511 / decode_s

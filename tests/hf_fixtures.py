@@ -168,6 +168,14 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                    rope_theta=1000.0, rope_local_base_freq=100.0,
                    rope_scaling={"rope_type": "linear", "factor": 2.0},
                    final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # 4 experts, top 2, every layer sparse, the window as Mistral's.
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=FAMILY_WINDOW),
+    # 3 layers: 0 and 2 sparse (top 2 of 4 experts, weights not renormalised), 1 dense.
+    "qwen3_moe": dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                      norm_topk_prob=False),
 }
 
 
@@ -177,7 +185,9 @@ def _family_classes(family: str):
             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[family]
+            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[family]
 
 
 def make_hf_family(family: str, seed: int = 0, init_std: float = 0.1, **overrides: Any):

@@ -23,7 +23,7 @@ from paxkv import LLM, SamplingParams
 from paxkv.model import dense
 from paxkv.model.weights import load_checkpoint, save_checkpoint
 
-FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3")
+FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
 PROMPT_LENS = (41, 7, 63)
 GREEDY_TOKENS = 36          # 7 + 36 and 63 + 36 run well past the window
 ATOL = 1e-4
@@ -62,9 +62,11 @@ def test_config_names_the_family(family):
     cfg = family.cfg
     assert cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                 "mistral": "MistralForCausalLM",
-                                "gemma3": "Gemma3ForCausalLM"}[family.name]
+                                "gemma3": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                                "qwen3_moe": "Qwen3MoeForCausalLM"}[family.name]
     assert cfg.qkv_bias == (family.name == "qwen2")
-    assert cfg.qk_norm == (family.name in ("qwen3", "gemma3"))
+    assert cfg.qk_norm == (family.name in ("qwen3", "gemma3", "qwen3_moe"))
+    assert cfg.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0, 2)}.get(family.name, ())
     if family.name == "mistral":
         assert all(cfg.layer_window(i) == FAMILY_WINDOW for i in range(cfg.num_layers))
     if family.name == "gemma3":
@@ -137,12 +139,40 @@ def test_tensor_parallel_equals_one_device(family):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
+def test_moe_sharded_load_splits_experts_by_width(family):
+    """Tensor-parallel loading reads each device's slice of every expert's width straight
+    from the checkpoint: the stacked leaves split as planned, the values the one-device load's."""
+    if not family.cfg.moe_layers:
+        pytest.skip("a dense family")
+    from jax.sharding import PartitionSpec as P
+
+    from paxkv.model.fusion import group_projections
+    from paxkv.parallel import loading
+    from paxkv.parallel.mesh import make_mesh
+    params, cfg = loading.load_checkpoint(family.path, make_mesh(2), "float32")
+    want = group_projections(family.params, cfg)
+    plan = {"gate_proj": P(None, None, "tp"), "up_proj": P(None, None, "tp"),
+            "down_proj": P(None, "tp", None), "router": P()}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    assert len(flat) == len(jax.tree.leaves(want))
+    for (path, x), w in zip(flat, jax.tree.leaves(want)):
+        keys = [str(getattr(p, "key", p)) for p in path]
+        if "moe" in keys:
+            assert x.sharding.spec == plan[keys[-1] if "experts" in keys else keys[-2]], keys
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(w), err_msg="/".join(keys))
+
+
 # Greedy agreement of 8-bit pages with float32 pages, as test_kv_quant measures it: 16
 # prompts of 26-56 tokens (past the window), 8 greedy tokens each. (first token, all tokens)
 # floors, below what these random models gave on the CPU: int8 0.94-1.00 / 0.79-1.00, fp8
 # 0.88-1.00 / 0.67-1.00 (a flip early in a continuation changes every later token). Pages
 # read with a wrong or missing scale agree on about 1 token in the 384 of the vocabulary.
 KV_AGREEMENT_FLOOR = {"int8": (0.85, 0.7), "fp8": (0.75, 0.55)}
+# Mixture-of-experts families agree less under fp8: an error that moves a token's router
+# ranking swaps its experts, a step change in its output. Measured on the CPU: qwen3_moe
+# int8 1.00 / 0.98, fp8 0.69 / 0.58; mixtral int8 0.94 / 0.86, fp8 0.94 / 0.74.
+KV_AGREEMENT_FLOOR_MOE = {"int8": (0.85, 0.7), "fp8": (0.6, 0.5)}
 KV_PROMPTS, KV_TOKENS = 16, 8
 
 
@@ -162,8 +192,9 @@ def test_8bit_kv_pages_agree(family, kv_cache_dtype):
     ref, outs = runs["auto"], runs[kv_cache_dtype]
     first = np.mean([a[0] == b[0] for a, b in zip(outs, ref)])
     agree = sum(x == y for a, b in zip(outs, ref) for x, y in zip(a, b)) / sum(map(len, outs))
-    assert first >= KV_AGREEMENT_FLOOR[kv_cache_dtype][0]
-    assert agree >= KV_AGREEMENT_FLOOR[kv_cache_dtype][1]
+    floor = (KV_AGREEMENT_FLOOR_MOE if family.cfg.moe_layers else KV_AGREEMENT_FLOOR)[kv_cache_dtype]
+    assert first >= floor[0]
+    assert agree >= floor[1]
 
 
 def test_every_family_is_in_the_fixtures():

@@ -93,6 +93,8 @@ def with_fused_kernels(params: Params, make: Any) -> Params:
             continue
         layer = dict(layer)
         for fused_name, (block, parts) in FUSED.items():
+            if block not in layer:   # a mixture-of-experts layer has no dense MLP
+                continue
             leaves = fused_leaves(layer[block], fused_name)
             sub = {k: v for k, v in layer[block].items() if k not in parts and k != fused_name}
             sub[fused_name] = {leaf: make(layer, block, parts, leaf) for leaf in leaves}

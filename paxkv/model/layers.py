@@ -25,6 +25,8 @@ Parameter tree (the Linen "params" collection; names follow the HF checkpoint):
     layers_{i}/self_attn/{q,k}_norm/scale        [head_dim]  (families with q/k norms)
     layers_{i}/post_attention_layernorm/scale    [hidden]    (and a family's other norms)
     layers_{i}/mlp/{gate,up,down}_proj/kernel    [in, out]
+    layers_{i}/moe/router/kernel, moe/experts/{gate,up,down}_proj   (mixture-of-experts layers
+                                                in place of mlp: `moe.py`)
     norm/scale                          [hidden]
     lm_head/kernel                      [hidden, vocab]   (absent when embeddings are tied)
 The engine serves from the fused layout of `fusion.py` (qkv_proj, gate_up_proj; grouped 3-D
@@ -191,6 +193,15 @@ class MLP(nn.Module):
         return _linear(c.hidden_size, "down_proj", self.dtype)(_activation(c.hidden_act)(gate) * up)
 
 
+def feed_forward(cfg: ModelConfig, layer: int, dtype: Any) -> nn.Module:
+    """Layer `layer`'s feed-forward block: the gated MLP ("mlp"), or in a mixture-of-experts
+    layer the experts and their router ("moe", `paxkv/model/moe.py`)."""
+    if cfg.is_moe_layer(layer):
+        from paxkv.model.moe import SparseMoE
+        return SparseMoE(cfg, dtype, name="moe")
+    return MLP(cfg, dtype, name="mlp")
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm layer (Llama, Qwen2, Qwen3, Mistral), its last residual add deferred:
     `(x, residual)` -> `(mlp_out, residual')`.
@@ -214,7 +225,7 @@ class DecoderLayer(nn.Module):
         h, state = Attention(c, self.layer, self.dtype, packed_qkv=self.fused,
                              name="self_attn")(h, rope, attention, state)
         residual, h = rms_norm("post_attention_layernorm", c, self.dtype, self.fused)(h, residual)
-        return MLP(c, self.dtype, name="mlp")(h), residual, state
+        return feed_forward(c, self.layer, self.dtype)(h), residual, state
 
 
 class LMHead(nn.Module):

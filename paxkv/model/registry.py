@@ -22,11 +22,14 @@ FAMILIES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # config.json's `model_type` -> architecture, for configs that list no `architectures`.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def family(architecture: str) -> ModuleType:

@@ -18,6 +18,7 @@ materializes each tensor on the default device with no say over placement or hos
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -143,6 +144,30 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _empty_stack(x: jax.Array, count: int) -> jax.Array:
+    return jnp.zeros((count,) + x.shape, x.dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _stack_set(stack: jax.Array, x: jax.Array, index: jax.Array) -> jax.Array:
+    return stack.at[index].set(x)
+
+
+def _put(params: dict, spec: TensorSpec, x: jax.Array, cfg: ModelConfig) -> None:
+    """Store one checkpoint tensor at its place: a leaf, or (an expert's weight) its slice of
+    the stacked leaf, which is made on the tensor's device when its first slice arrives and
+    updated in place after."""
+    if spec.expert is None:
+        _set(params, spec.path, x)
+        return
+    try:
+        stack = _get(params, spec.path)
+    except KeyError:
+        stack = _empty_stack(x, cfg.num_experts)
+    _set(params, spec.path, _stack_set(stack, x, jnp.int32(spec.expert)))
 
 
 @dataclasses.dataclass
@@ -271,7 +296,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = "bfloat16", device: An
                         x = jax.device_put(x, sharding)
                     x.block_until_ready()  # the host buffer can go before the next read
                     del host
-                    _set(params, spec.path, x)
+                    _put(params, spec, x, cfg)
                     bar.update(1)
     return params, cfg
 
@@ -312,7 +337,7 @@ def load_tensors(cfg: ModelConfig, held: Iterable[str], tensor: Callable[[str], 
             x = jax.device_put(x, sharding)
         x.block_until_ready()
         del host
-        _set(params, spec.path, x)
+        _put(params, spec, x, cfg)
     return params
 
 
@@ -345,6 +370,8 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[tuple[str, jax.Arra
                                spec.path[-1])
             else:
                 x = _get(params, spec.path)
+                if spec.expert is not None:
+                    x = x[spec.expert]
         except KeyError as e:
             raise ValueError(f"params is missing {'/'.join(spec.path)} (HF {spec.hf_name!r})") from e
         expected = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape

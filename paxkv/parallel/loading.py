@@ -91,6 +91,16 @@ def _plain_shard(index: CheckpointIndex, spec: TensorSpec) -> Callable[[Index], 
     return shard
 
 
+def _expert_shard(index: CheckpointIndex, specs: list[TensorSpec]) -> Callable[[Index], np.ndarray]:
+    """Callback for a stacked expert leaf `[E, in, out]`: a shard's experts, each its
+    `[in, out]` block read from that expert's HF `[out, in]` tensor."""
+    def shard(idx: Index) -> np.ndarray:
+        e0, e1 = _bounds(idx[0], len(specs))
+        x = np.stack([read_slice(index, specs[e].hf_name, idx[2], idx[1]).T for e in range(e0, e1)])
+        return np.ascontiguousarray(x, dtype=index.target)
+    return shard
+
+
 def _grouped_shard(index: CheckpointIndex, layer: int, fused_name: str,
                    leaf: str = "kernel") -> Callable[[Index], np.ndarray]:
     """Callback for a fused kernel in the grouped layout `[hidden, groups, cols]` (or its bias,
@@ -134,14 +144,23 @@ def load_checkpoint(path: str | os.PathLike, mesh: Mesh, dtype: Any = "bfloat16"
     cfg = index.cfg
     fused_parts = {p for _, parts in FUSED.values() for p in parts}
     jobs: list[tuple[tuple[str, ...], tuple[int, ...], Callable[[Index], np.ndarray]]] = []
+    stacked: dict[tuple[str, ...], list[TensorSpec]] = {}
     for spec in index.specs:
+        if spec.expert is not None:
+            stacked.setdefault(spec.path, []).append(spec)
+            continue
         if spec.path[-2] in fused_parts:
             continue
         shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
         jobs.append((spec.path, shape, _plain_shard(index, spec)))
+    for tree_path, specs in stacked.items():
+        specs.sort(key=lambda s: s.expert)
+        jobs.append((tree_path, (len(specs),) + specs[0].hf_shape[::-1], _expert_shard(index, specs)))
     held = {spec.path for spec in index.specs}
     for layer in range(cfg.num_layers):
         for fused_name, (block, parts) in FUSED.items():
+            if block == "mlp" and cfg.is_moe_layer(layer):
+                continue
             widths = part_widths(cfg, fused_name)
             cols = sum(widths) // cfg.num_kv_heads
             jobs.append(((f"layers_{layer}", block, fused_name, "kernel"),

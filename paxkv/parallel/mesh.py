@@ -36,6 +36,10 @@ def check_tensor_parallel_size(cfg: ModelConfig, tensor_parallel_size: int,
     if cfg.num_kv_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's num_kv_heads "
                          f"({cfg.num_kv_heads}): the KV pool is split by KV heads")
+    if tp > 1 and cfg.moe_layers and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the experts' width "
+                         f"moe_intermediate_size ({cfg.moe_intermediate_size}): each device "
+                         "holds every expert's slice of it")
     if tp > 1 and cfg.intermediate_size % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {tp}: intermediate_size {cfg.intermediate_size} "
                          f"does not split into num_kv_heads ({cfg.num_kv_heads}) equal groups")

@@ -3,6 +3,8 @@
 Weights (the grouped layout of `paxkv.model.fusion`, one group per KV head):
     qkv_proj, gate_up_proj   [hidden, groups, cols]   split over groups (column parallel)
     o_proj, down_proj        [in, hidden]             split over rows (row parallel)
+    experts' gate/up, down   [E, hidden, I], [E, I, hidden]   split over I, as the MLP's
+    router                   replicated (every device routes every token the same way)
     embed_tokens, lm_head    split over the vocabulary
     norms                    replicated
 so each device computes its own heads and its own chunk of the MLP, and XLA adds one
@@ -47,6 +49,10 @@ def param_spec(path: tuple[str, ...], ndim: int, cfg: ModelConfig, mesh: Mesh) -
     replicated, biases split as their projection's output columns."""
     name = path[-2] if path[-1] in ("kernel", "embedding", "scale", "bias") else path[-1]
     if path[-1] == "scale":
+        return P()
+    if "experts" in path:   # stacked [E, in, out]: every expert on every device, split by width
+        return P(None, None, AXIS) if name in ("gate_proj", "up_proj") else P(None, AXIS, None)
+    if name == "router":
         return P()
     if path[-1] == "bias":
         if name == "qkv_proj":

@@ -25,6 +25,17 @@ class TensorSpec:
     path: tuple[str, ...]          # keys into the params dict
     hf_shape: tuple[int, ...]      # as stored by HF ([out, in] for linear layers)
     transpose: bool                # HF linear weights are [out, in]; Linen kernels are [in, out]
+    expert: int | None = None      # the tensor is this expert's slice of a stacked [E, ...] leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class MoENames:
+    """How a family's checkpoint names a mixture-of-experts block: `{block}.{router}.weight`
+    and `{block}.experts.{e}.{name}.weight` for the gate, up and down projections."""
+
+    block: str
+    router: str = "gate"
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 def require(raw: Mapping[str, Any], *fields: str) -> None:
@@ -130,11 +141,27 @@ def qwen_layer_types(raw: Mapping[str, Any], num_layers: int) -> tuple[tuple[str
     return types, int(window)
 
 
+def moe_tensor_specs(cfg: ModelConfig, layer: int, names: MoENames) -> list[TensorSpec]:
+    """Layer `layer`'s router and experts (`paxkv/model/moe.py`): each expert's HF `[out, in]`
+    weight is slice `e` of a stacked `[E, in, out]` leaf."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    pre, key = f"model.layers.{layer}.{names.block}.", f"layers_{layer}"
+    specs = [TensorSpec(f"{pre}{names.router}.weight", (key, "moe", "router", "kernel"), (e, h), True)]
+    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for expert in range(e):
+        for hf_name, ours in zip(names.experts, ("gate_proj", "up_proj", "down_proj")):
+            specs.append(TensorSpec(f"{pre}experts.{expert}.{hf_name}.weight",
+                                    (key, "moe", "experts", ours), shapes[ours], True, expert))
+    return specs
+
+
 def decoder_tensor_specs(cfg: ModelConfig, layer_norms: tuple[str, ...] = (
-        "input_layernorm", "post_attention_layernorm")) -> list[TensorSpec]:
+        "input_layernorm", "post_attention_layernorm"),
+        moe: MoENames | None = None) -> list[TensorSpec]:
     """Every tensor of a Llama-shaped decoder checkpoint, in HF naming: embeddings, per layer
     q/k/v/o (with biases and q/k norms where the config has them), `layer_norms`, the
-    gated MLP, the final norm and (untied) the LM head."""
+    gated MLP (or, in the config's mixture-of-experts layers, the experts `moe` names), the
+    final norm and (untied) the LM head."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     specs = [TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"),
@@ -159,6 +186,11 @@ def decoder_tensor_specs(cfg: ModelConfig, layer_norms: tuple[str, ...] = (
                                         (key, "self_attn", norm, "scale"), (cfg.head_dim,), False))
         for norm in layer_norms:
             specs.append(TensorSpec(f"{pre}{norm}.weight", (key, norm, "scale"), (h,), False))
+        if cfg.is_moe_layer(layer):
+            if moe is None:
+                raise ValueError(f"{cfg.architecture} has no mixture-of-experts tensor names")
+            specs += moe_tensor_specs(cfg, layer, moe)
+            continue
         specs += linear("mlp", "gate_proj", i, h, False)
         specs += linear("mlp", "up_proj", i, h, False)
         specs += linear("mlp", "down_proj", h, i, False)
