@@ -49,6 +49,24 @@ def test_config_and_tokenizer_come_from_the_file(llm):
 
 
 @needs_file
+def test_tokenizer_equals_transformers_own_gguf_load():
+    """paxkv reads the file's tokenizer without PyTorch; transformers' own GGUF load (which
+    needs it) gives the same ids, chat template and special tokens."""
+    pytest.importorskip("torch", reason="transformers' GGUF reader imports torch")
+    from transformers import PreTrainedTokenizerFast
+
+    from paxkv.model.gguf_file import gguf_hf_tokenizer
+    ours, eos = gguf_hf_tokenizer(PATH)
+    ref = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(PATH),
+                                                  gguf_file=os.path.basename(PATH))
+    for text in ["Hello world", "  two spaces, émojis 🎉\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+    assert (ours.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+            == ref.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False))
+    assert (ours.bos_token, ours.eos_token, eos) == (ref.bos_token, ref.eos_token, (2,))
+
+
+@needs_file
 def test_weights_equal_transformers_gguf_load(hf_model):
     from paxkv.model.gguf_file import GGUFCheckpoint
     ckpt = GGUFCheckpoint(PATH)

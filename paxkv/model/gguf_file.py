@@ -154,10 +154,27 @@ class GGUFCheckpoint:
 
 def gguf_hf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
     """(the file's tokenizer with its chat template, built by transformers from the GGUF
-    vocabulary; the file's EOS ids), for `paxkv.tokenizer.load_tokenizer` to wrap."""
+    vocabulary; the file's EOS ids), for `paxkv.tokenizer.load_tokenizer` to wrap.
+
+    The metadata is read here with the `gguf` package and handed to transformers' converter,
+    the same steps as `PreTrainedTokenizerFast.from_pretrained(gguf_file=...)` takes, whose
+    own GGUF reader needs PyTorch, which paxkv does not."""
     from transformers import PreTrainedTokenizerFast
-    path = os.fspath(path)
-    hf = PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                 gguf_file=os.path.basename(path))
-    eos = _field(_reader(path), "tokenizer.ggml.eos_token_id")
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    reader = _reader(os.fspath(path))
+    meta = {key: _field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
+    grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in meta}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":   # llama.cpp adds BOS unless told otherwise
+        config.setdefault("add_bos_token", True)
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
     return hf, () if eos is None else (int(eos),)
