@@ -141,6 +141,54 @@ class LLM:
         logger.info("generate: %s", engine.metrics.format_summary())
         return [results[r] for r in ids]
 
+    # ---- a training loop's rollout engine: weights in place, sleep and wake ----------------
+    def _require_idle(self, what: str) -> Any:
+        engine = self.llm_engine
+        if engine.has_unfinished_requests() or engine._in_flight is not None:
+            raise RuntimeError(f"{what}: {engine.get_num_unfinished_requests()} requests are in "
+                               "flight; let them finish or abort them first")
+        return engine
+
+    def update_weights(self, weights: Any) -> None:
+        """New weights in place: (Hugging Face tensor name, array) pairs, any subset of the
+        checkpoint's tensors, as vLLM's `load_weights` takes them; or the engine's own
+        parameter tree (`llm_engine.runner.params`' structure), whose arrays are taken without
+        a copy when already placed as the engine's are (`model/weight_update.py`).
+
+        Refused while requests are in flight (a RuntimeError: finish or abort them; the
+        offline engine has no pause). A name, shape or dtype that does not fit is a ValueError
+        naming it, and the old weights stay. No step program recompiles. The prefix cache
+        (and the host KV tier) is dropped: its blocks hold the old weights' KV."""
+        from paxkv.model.weight_update import updated_params
+        engine = self._require_idle("update_weights")
+        runner = engine.runner
+        if runner.asleep:
+            raise RuntimeError("update_weights: the engine is asleep; wake_up() first")
+        runner.params = updated_params(runner.params, engine.model_config, weights)
+        runner.weights_stale = False
+        engine.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device for a training step (vLLM's levels): the KV pool always; the weights
+        too, kept in host memory (level 1) or dropped (level 2: `update_weights` after
+        `wake_up` brings new ones). Refused while requests are in flight."""
+        engine = self._require_idle("sleep")
+        engine.runner.sleep(level)
+        engine.block_manager.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        """Weights and an empty KV pool back on the device; after level 1 the outputs are as
+        before sleeping. After level 2 the weights are zeros until `update_weights`."""
+        runner = self.llm_engine.runner
+        level = runner.asleep
+        runner.wake_up()
+        runner.weights_stale = level == 2
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (device and host tier); returns how many device
+        blocks went back to the free pool."""
+        return self._require_idle("reset_prefix_cache").block_manager.reset_prefix_cache()
+
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         return run_beam_search(self.llm_engine, prompts, params)
 

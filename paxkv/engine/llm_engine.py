@@ -161,6 +161,11 @@ class LLMEngine:
     def enqueue(self, intake: Intake, arrival_time: float | None = None) -> None:
         """Queue a request `validate_request` accepted."""
         request_id, params = intake.request_id, intake.params
+        if getattr(self.runner, "asleep", 0):
+            raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() first")
+        if getattr(self.runner, "weights_stale", False):
+            raise RuntimeError("the weights were dropped by sleep(level=2): call "
+                               "update_weights() first")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31 - 1)

@@ -219,13 +219,7 @@ class Runner:
         self._take_shapes(config)
         self.params = params
         self.mesh = mesh
-        storage = storage_dtype(config.kv_cache_dtype)
-        if mesh is None:
-            self.kv_pool = kvp.init_pool(config.model, config.num_blocks, config.block_size, storage)
-        else:
-            from paxkv.parallel import sharding
-            self.kv_pool = sharding.init_pool(config.model, config.num_blocks, config.block_size,
-                                              storage, mesh)
+        self._allocate_pool()
         # Host swap pool: the device pool's layout (scales included) in numpy, num_host_blocks
         # deep (under tensor parallelism: this process's heads of it).
         num_host_blocks = config.num_host_blocks
@@ -244,6 +238,51 @@ class Runner:
         self.compiled_keys: set[tuple] = set()
         self.num_compilations = 0
         self.compile_time_s = 0.0
+        self.asleep = 0                     # sleep level (0: awake)
+        self.weights_stale = False          # woken from level 2: zeros until new weights
+        self._slept_params: Any = None      # level 1: the weights in host memory
+        self._param_shardings: Any = None
+
+    def _allocate_pool(self) -> None:
+        config = self.config
+        storage = storage_dtype(config.kv_cache_dtype)
+        if self.mesh is None:
+            self.kv_pool = kvp.init_pool(config.model, config.num_blocks, config.block_size, storage)
+        else:
+            from paxkv.parallel import sharding
+            self.kv_pool = sharding.init_pool(config.model, config.num_blocks, config.block_size,
+                                              storage, self.mesh)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device: the KV pool, and the weights (level 1: kept in host memory, level 2:
+        dropped, to be replaced by `update_weights` after `wake_up`). vLLM's levels."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.asleep:
+            raise RuntimeError(f"the engine is already asleep (level {self.asleep})")
+        self._land_offloads()
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        self._param_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
+        self._slept_params = jax.device_get(self.params) if level == 1 else None
+        host_pool, offload_pool = self.host_pool, self.offload_pool
+        self.release(params=True)
+        self.host_pool, self.offload_pool = host_pool, offload_pool   # host memory: kept
+        self.asleep = level
+
+    def wake_up(self) -> None:
+        """Back to the device: the weights (level 1: as they were; level 2: zeros of the
+        right shapes and placement, for `update_weights` to fill) and an empty KV pool."""
+        if not self.asleep:
+            return
+        if self._slept_params is not None:
+            self.params = jax.device_put(self._slept_params, self._param_shardings)
+        else:
+            self.params = jax.tree.map(lambda s, sh: jax.device_put(np.zeros(s.shape, s.dtype), sh),
+                                       self._param_shapes, self._param_shardings)
+        self._slept_params = None
+        self._allocate_pool()
+        self._last_tokens = self._ids(np.zeros((self.row_buckets[-1],), np.int32))
+        self.asleep = 0
 
     def _take_shapes(self, config: RunnerConfig) -> None:
         """The settings the packing reads, as attributes (a profiler may narrow a bucket list)."""
