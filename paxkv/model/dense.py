@@ -116,6 +116,16 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
 dense_forward_jit = jax.jit(dense_forward, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
+def token_logprobs(params: Any, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The trainer's side of a rollout: token_ids `[B, T]` -> `[B, T - 1]` float32, the
+    log-probability of each token after the first given the ones before it (temperature 1).
+    Jittable and differentiable (`cfg` static); what the engine reports as a sampled token's
+    logprob, computed by the dense forward."""
+    logits = dense_forward(params, token_ids, cfg)[0][:, :-1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
+
+
 def _bucket(n: int, minimum: int = 16) -> int:
     size = minimum
     while size < n:
