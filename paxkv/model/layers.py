@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
+from paxkv.model.activations import activation
 from paxkv.model.rope import RopeKey, apply_rope, rope_tables
 
 # (layer, q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d], state) -> (out [..., Hq, d], state)
@@ -174,12 +175,6 @@ class Attention(nn.Module):
         return _linear(c.hidden_size, "o_proj", self.dtype, c.o_bias)(out), state
 
 
-def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
-    if name == "gelu_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return nn.silu
-
-
 class MLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x)); SwiGLU or GeGLU by `cfg.hidden_act`."""
 
@@ -190,7 +185,7 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        return _linear(c.hidden_size, "down_proj", self.dtype)(_activation(c.hidden_act)(gate) * up)
+        return _linear(c.hidden_size, "down_proj", self.dtype)(activation(c.hidden_act)(gate) * up)
 
 
 def feed_forward(cfg: ModelConfig, layer: int, dtype: Any) -> nn.Module:

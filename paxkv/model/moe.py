@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
+from paxkv.model.activations import activation
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -57,12 +58,6 @@ def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> 
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _activation(name: str) -> Any:
-    if name == "gelu_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return nn.silu
-
-
 class SparseMoE(nn.Module):
     """`x [..., hidden]` -> the weighted sum of its chosen experts' gated MLPs."""
 
@@ -84,7 +79,7 @@ class SparseMoE(nn.Module):
         rows = tokens[order // k]                                   # [T * k, hidden]
         gate = grouped_matmul(rows, w["gate_proj"].astype(self.dtype), counts)
         up = grouped_matmul(rows, w["up_proj"].astype(self.dtype), counts)
-        out = grouped_matmul(_activation(c.hidden_act)(gate) * up,
+        out = grouped_matmul(activation(c.hidden_act)(gate) * up,
                              w["down_proj"].astype(self.dtype), counts)   # [T * k, hidden]
         unsorted = jnp.zeros_like(out).at[order].set(out).reshape(-1, k, h)
         mixed = jnp.sum(unsorted * weights.astype(self.dtype)[..., None], axis=1)
