@@ -130,7 +130,19 @@ def load_weights(args: EngineArgs, dtype: str, multi_process: bool
                                jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     # Serve from the fused weight layout (two matmuls per layer instead of five); nothing
     # else holds the separate tensors, so only one copy of the weights stays resident.
-    return path, cfg, fuse_projections(params), mesh
+    return path, _with_numerics(cfg, args), fuse_projections(params), mesh
+
+
+def _with_numerics(cfg: ModelConfig | None, args: EngineArgs) -> ModelConfig | None:
+    """`cfg` computing as `args` asks (`ModelConfig.batch_invariant`)."""
+    if cfg is None or not args.batch_invariant:
+        return cfg
+    if not isinstance(args.batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {args.batch_invariant!r}")
+    if args.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"batch_invariant reads unquantized pages; kv_cache_dtype "
+                         f"{args.kv_cache_dtype!r} quantizes them")
+    return dataclasses.replace(cfg, batch_invariant=True)
 
 
 def engine_config(args: EngineArgs, cfg: ModelConfig, dtype: str, platform: str) -> EngineConfig:

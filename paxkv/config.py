@@ -85,6 +85,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # How the forward computes, not what: every matmul, norm, log-softmax and attention in
+    # the batch-invariant forms of `paxkv/model/batch_invariant.py`, so a token's logits do
+    # not depend on what shares its step (`LLM(batch_invariant=True)`).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -112,6 +116,10 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0:
                 raise ValueError("ModelConfig.moe_intermediate_size must be positive, got "
                                  f"{self.moe_intermediate_size}")
+            if self.batch_invariant:
+                raise ValueError("ModelConfig.batch_invariant does not cover mixture-of-experts "
+                                 "layers (their grouped matmul depends on how many tokens each "
+                                 "expert gets)")
             if not all(0 <= i < self.num_layers for i in self.moe_layers):
                 raise ValueError(f"ModelConfig.moe_layers must index layers [0, {self.num_layers}), "
                                  f"got {self.moe_layers}")

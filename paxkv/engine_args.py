@@ -37,6 +37,10 @@ class EngineArgs:
     - `kv_offloading_size`: GiB of host memory for the host KV tier: cached blocks the device
       pool evicts are copied there, and a later prefix hit copies them back instead of
       computing them again (`cache/host_tier.py`; 0: none).
+    - `batch_invariant`: a request's tokens and logprobs are bitwise the same whatever shares
+      its batch and however its prefill is chunked, and equal to the trainer's
+      `paxkv.model.dense.token_logprobs` on `llm.model_config` (`model/batch_invariant.py`;
+      dense models, unquantized pages; slower: docs/rollouts.md).
     - `params`: weights to serve instead of loading or drawing them (any layout).
     - `tokenizer`: "auto" (the checkpoint's), None, or a `paxkv.tokenizer.Tokenizer`.
     """
@@ -67,6 +71,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     precompile: bool = False
+    batch_invariant: bool = False
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None

@@ -39,6 +39,12 @@ class LLM:
         self._request_counter = itertools.count()
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The served model's config, as the engine computes it (with `batch_invariant` set
+        when asked): what `paxkv.model.dense.token_logprobs` takes to match the engine."""
+        return self.llm_engine.model_config
+
+    @property
     def metrics(self) -> Metrics:
         return self.llm_engine.metrics
 

@@ -101,14 +101,21 @@ def process_logits(rows: jax.Array, st: SamplingTensors, fed_tokens: jax.Array) 
     return rows
 
 
-def _prompt_logprobs(logits: jax.Array, st: SamplingTensors,
-                     k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _log_softmax(rows: jax.Array, invariant: bool) -> jax.Array:
+    if invariant:     # row tiles: a row's logprobs do not depend on the other rows
+        from paxkv.model import batch_invariant as bi
+        return bi.log_softmax(rows)
+    return jax.nn.log_softmax(rows, axis=-1)
+
+
+def _prompt_logprobs(logits: jax.Array, st: SamplingTensors, k: int,
+                     invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-softmax of the last P logits rows (the prompt positions), at their targets and top k."""
     p = st.prompt_positions.shape[0]
     if not p:
         return (jnp.zeros((0,), jnp.float32), jnp.zeros((0, k), jnp.int32),
                 jnp.zeros((0, k), jnp.float32))
-    lp = jax.nn.log_softmax(logits[logits.shape[0] - p:].astype(jnp.float32), axis=-1)
+    lp = _log_softmax(logits[logits.shape[0] - p:].astype(jnp.float32), invariant)
     own = jnp.take_along_axis(lp, st.prompt_targets[:, None], axis=-1)[:, 0]
     if k:
         top_lp, top_ids = jax.lax.top_k(lp, k)
@@ -118,17 +125,19 @@ def _prompt_logprobs(logits: jax.Array, st: SamplingTensors,
 
 
 def sample(logits: jax.Array, st: SamplingTensors, *, mode: str, num_logprobs: int,
-           num_prompt_logprobs: int = 0, fed_tokens: jax.Array | None = None) -> SampleResult:
+           num_prompt_logprobs: int = 0, fed_tokens: jax.Array | None = None,
+           invariant: bool = False) -> SampleResult:
     """logits `[S(+P), V]` float32 -> one token per sampling row. `mode`, `num_logprobs` and
     `num_prompt_logprobs` are static; `mode` is the step's cheapest sufficient path
     (`SAMPLING_MODES`): every row greedy; some rows sampled, none filtered (Gumbel-max over
     the whole vocabulary, no sort); some row with top-k, top-p or min-p (one sort per row).
     `fed_tokens [R]` is the token each row's step fed (needed only when `st.history` is in
-    use); the last P logits rows are prompt positions."""
+    use); the last P logits rows are prompt positions. `invariant` (static): logprobs in the
+    batch-invariant form (`ModelConfig.batch_invariant`)."""
     if mode not in SAMPLING_MODES:
         raise ValueError(f"mode must be one of {SAMPLING_MODES}, got {mode!r}")
     rows = logits[st.logits_rows].astype(jnp.float32)             # [R, V]
-    raw_logprobs = jax.nn.log_softmax(rows, axis=-1)
+    raw_logprobs = _log_softmax(rows, invariant)
     rows = process_logits(rows, st, fed_tokens)
     greedy_ids = jnp.argmax(rows, axis=-1).astype(jnp.int32)
     if mode == "greedy":
@@ -150,4 +159,4 @@ def sample(logits: jax.Array, st: SamplingTensors, *, mode: str, num_logprobs: i
         top_lp = jnp.zeros((rows.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((rows.shape[0], 0), jnp.int32)
     return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_lp,
-                        *_prompt_logprobs(logits, st, num_prompt_logprobs))
+                        *_prompt_logprobs(logits, st, num_prompt_logprobs, invariant))

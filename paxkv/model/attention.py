@@ -34,7 +34,8 @@ from paxkv.cache.kv_pool import KVPool
 from paxkv.config import AttentionPlan, ModelConfig
 from paxkv.model.batch import StepBatch
 
-__all__ = ["AttentionPlan", "PagedAttention", "reference_attention", "token_seq_ids"]
+__all__ = ["AttentionPlan", "PagedAttention", "invariant_attention", "reference_attention",
+           "token_seq_ids"]
 
 def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     """Sequence index of each of the `num_tokens` ragged tokens (padding -> last row)."""
@@ -75,6 +76,26 @@ def reference_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ba
     denom = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("thgl,tlhd->thgd", p, v) / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(t, hq, d).astype(q.dtype)
+
+
+def invariant_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
+                        scale: float, window: int | None = None) -> jax.Array:
+    """q `[T, Hq, d]` -> `[T, Hq, d]` through the pages in the batch-invariant form
+    (`batch_invariant.chunked_attention`): a token attends the same way whatever its step
+    holds, as it does in the dense forward of `ModelConfig.batch_invariant`."""
+    from paxkv.model import batch_invariant as bi
+    t = q.shape[0]
+    _, bs, hkv, d = k_pages.shape
+    tables = batch.block_tables[token_seq_ids(batch.cu_q_lens, t)]    # [T, max_blocks]
+    width = tables.shape[1]
+
+    def slots(rows: jax.Array, key_pos: jax.Array) -> jax.Array:
+        block = jnp.take_along_axis(rows, jnp.minimum(key_pos // bs, width - 1), axis=1)
+        return block * bs + key_pos % bs
+
+    return bi.chunked_attention(q, batch.positions, slots, tables, k_pages.reshape(-1, hkv, d),
+                                v_pages.reshape(-1, hkv, d), scale,
+                                bi.cdiv_chunks(width * bs), window)
 
 
 class PagedAttention:
@@ -166,6 +187,10 @@ class PagedAttention:
         k_scale = None if one.k_scale is None else one.k_scale[0]
         v_scale = None if one.v_scale is None else one.v_scale[0]
         scale = self.cfg.attention_scale
+        if self.cfg.batch_invariant:
+            if k_scale is not None:
+                raise ValueError("batch_invariant attention reads unquantized pages only")
+            return invariant_attention(q, k_pages, v_pages, batch, scale, window)
         if self.plan.backend == "reference":
             return reference_attention(q, k_pages, v_pages, batch, scale, k_scale, v_scale, window)
         from pallas_kernels.paged_attention import paged_attention

@@ -67,6 +67,24 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
+def _invariant(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float,
+               window: int | None) -> jax.Array:
+    """`grouped_attention` in the batch-invariant form (`batch_invariant.chunked_attention`):
+    q `[B, Tq, Hq, d]` over k/v `[B, Tk, Hkv, d]` at key positions 0..Tk-1."""
+    from paxkv.model import batch_invariant as bi
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), tq)[:, None]
+
+    def slots(r: jax.Array, key_pos: jax.Array) -> jax.Array:
+        return r * tk + jnp.minimum(key_pos, tk - 1)
+
+    out = bi.chunked_attention(q.reshape(b * tq, hq, d), q_pos.reshape(-1), slots, rows,
+                               k.reshape(b * tk, hkv, d), v.reshape(b * tk, hkv, d), scale,
+                               bi.cdiv_chunks(tk), window)
+    return out.reshape(b, tq, hq, d)
+
+
 def _positions(start_pos: int | jax.Array, batch: int, length: int) -> jax.Array:
     start = jnp.broadcast_to(jnp.asarray(start_pos, jnp.int32).reshape(-1, 1), (batch, 1))
     return start + jnp.arange(length, dtype=jnp.int32)[None, :]
@@ -90,6 +108,8 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
     def no_cache(layer: int, q, k, v, state):
         # Causal among the given tokens: offsets within the chunk, the same for every row.
         rel = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cfg.batch_invariant:
+            return _invariant(q, k, v, rel, scale, cfg.layer_window(layer)), state
         return grouped_attention(q, k, v, rel, rel[0], scale, cfg.layer_window(layer)), state
 
     def with_cache(layer: int, q, k, v, state: DenseCache):
@@ -98,6 +118,8 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
         cv = state.v[layer].at[rows, positions].set(v.astype(state.v[layer].dtype))
         state = DenseCache(state.k[:layer] + (ck,) + state.k[layer + 1:],
                            state.v[:layer] + (cv,) + state.v[layer + 1:])
+        if cfg.batch_invariant:
+            return _invariant(q, ck, cv, positions, scale, cfg.layer_window(layer)), state
         k_pos = jnp.arange(ck.shape[1], dtype=jnp.int32)
         return grouped_attention(q, ck, cv, positions, k_pos, scale,
                                  cfg.layer_window(layer)), state
@@ -121,8 +143,12 @@ def token_logprobs(params: Any, token_ids: jax.Array, cfg: ModelConfig) -> jax.A
     log-probability of each token after the first given the ones before it (temperature 1).
     Jittable and differentiable (`cfg` static); what the engine reports as a sampled token's
     logprob, computed by the dense forward."""
-    logits = dense_forward(params, token_ids, cfg)[0][:, :-1]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = dense_forward(params, token_ids, cfg)[0][:, :-1].astype(jnp.float32)
+    if cfg.batch_invariant:
+        from paxkv.model import batch_invariant as bi
+        logp = bi.log_softmax(logits)
+    else:
+        logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
 
 

@@ -9,6 +9,7 @@ pool. `cfg`, `backend`, `plan`, `decode_only` and `all_logits` are static.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -59,6 +60,8 @@ def forward(params: Params, batch: StepBatch, kv_pool: KVPool, cfg: ModelConfig,
     _check_batch(batch, kv_pool, cfg)
     if plan is None:
         plan = AttentionPlan.for_backend(backend, tensor_parallel=mesh is not None)
+    if cfg.batch_invariant and plan.fused:   # the fused layer kernels are not invariant
+        plan = dataclasses.replace(plan, fused=False)
     attention = PagedAttention(cfg, batch, plan, decode_only, mesh)
     model = DecoderLM(cfg, params_dtype(params), fused=plan.fused)
     logits_at = None if all_logits else batch.logits_indices

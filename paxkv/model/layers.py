@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from paxkv.config import ModelConfig
 from paxkv.model.fusion import FUSED, part_widths, split_columns, split_groups
+from paxkv.model import batch_invariant as bi
 from paxkv.model.activations import activation
 from paxkv.model.rope import RopeKey, apply_rope, rope_tables
 
@@ -66,45 +67,54 @@ class AddRMSNorm(nn.Module):
     dtype: Any = jnp.float32
     fused: bool = False
     unit_offset: bool = False
+    invariant: bool = False   # in row tiles (`batch_invariant.rows_in_tiles`)
 
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
-        if self.fused:
+        if self.fused and not self.invariant:
             from pallas_kernels.layer_ops import add_rms_norm
             from pallas_kernels.layer_ops.add_rms_norm import supported
             if supported(x.shape[-1]):
                 return add_rms_norm(x, residual, scale, eps=self.eps, unit_offset=self.unit_offset,
                                     interpret=jax.default_backend() != "gpu")
         total = x if residual is None else x + residual
-        xf = total.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         gain = scale.astype(jnp.float32)
         if self.unit_offset:
             gain = gain + 1.0
-        return total, (xf * gain).astype(self.dtype)
+
+        def norm(rows: jax.Array) -> jax.Array:
+            xf = rows.astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            return (xf * gain).astype(self.dtype)
+
+        return total, bi.rows_in_tiles(norm, total) if self.invariant else norm(total)
 
 
 def rms_norm(module_name: str, cfg: ModelConfig, dtype: Any, fused: bool = False) -> AddRMSNorm:
     """The config's RMSNorm (its epsilon, its gain convention) named `module_name`."""
-    return AddRMSNorm(cfg.rms_norm_eps, dtype, fused, cfg.norm_unit_offset, name=module_name)
+    return AddRMSNorm(cfg.rms_norm_eps, dtype, fused, cfg.norm_unit_offset, cfg.batch_invariant,
+                      name=module_name)
 
 
-def _linear(features: int, name: str, dtype: Any, bias: bool = False) -> nn.Dense:
+def _linear(features: int, name: str, dtype: Any, bias: bool = False,
+            invariant: bool = False) -> nn.Dense:
     return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-                    kernel_init=nn.initializers.normal(INIT_STD))
+                    kernel_init=nn.initializers.normal(INIT_STD),
+                    dot_general=bi.dot_general if invariant else None)
 
 
-def _fused_matmul(module: nn.Module, x: jax.Array, fused_name: str, dtype: Any) -> jax.Array | None:
+def _fused_matmul(module: nn.Module, x: jax.Array, fused_name: str, dtype: Any,
+                  invariant: bool = False) -> jax.Array | None:
     """`x` through the fused projection `fused_name` when the parameters hold it (the serving
     layout, 2-D or grouped 3-D, with its bias when it has one), else None."""
     if module.is_initializing() or not module.has_variable("params", fused_name):
         return None
     weights = module.get_variable("params", fused_name)
     kernel = weights["kernel"]
-    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
-                            (((x.ndim - 1,), (0,)), ((), ())))
+    dot = bi.dot_general if invariant else jax.lax.dot_general
+    y = dot(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
     if "bias" in weights:
         y = y + weights["bias"].astype(dtype)
     return y
@@ -116,12 +126,12 @@ def _fused_projections(module: nn.Module, x: jax.Array, fused_name: str, cfg: Mo
     names: one matmul when the parameters are in the serving layout, else one `nn.Dense`
     each (`bias`: the separate projections carry biases)."""
     widths = part_widths(cfg, fused_name)
-    y = _fused_matmul(module, x, fused_name, dtype)
+    y = _fused_matmul(module, x, fused_name, dtype, cfg.batch_invariant)
     if y is not None:
         if y.ndim == x.ndim + 1:   # the grouped (tensor-parallel) layout of fusion.py
             return split_groups(y, widths)
         return split_columns(y, widths)
-    return tuple(_linear(w, n, dtype, bias)(x) for w, n in zip(widths, FUSED[fused_name][1]))
+    return tuple(_linear(w, n, dtype, bias, cfg.batch_invariant)(x) for w, n in zip(widths, FUSED[fused_name][1]))
 
 
 class Attention(nn.Module):
@@ -141,7 +151,7 @@ class Attention(nn.Module):
 
     def _packed(self, x: jax.Array) -> jax.Array | None:
         """The packed `[..., Hq + 2 Hkv, d]` heads straight from the 2-D fused matmul."""
-        y = _fused_matmul(self, x, "qkv_proj", self.dtype)
+        y = _fused_matmul(self, x, "qkv_proj", self.dtype, self.cfg.batch_invariant)
         if y is None or y.ndim != x.ndim:
             return None
         c = self.cfg
@@ -172,7 +182,7 @@ class Attention(nn.Module):
             out, state = attention(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin),
                                    v, state)
         out = out.astype(self.dtype).reshape(*lead, c.num_heads * c.head_dim)
-        return _linear(c.hidden_size, "o_proj", self.dtype, c.o_bias)(out), state
+        return _linear(c.hidden_size, "o_proj", self.dtype, c.o_bias, c.batch_invariant)(out), state
 
 
 class MLP(nn.Module):
@@ -185,7 +195,7 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.cfg
         gate, up = _fused_projections(self, x, "gate_up_proj", c, self.dtype)
-        return _linear(c.hidden_size, "down_proj", self.dtype)(activation(c.hidden_act)(gate) * up)
+        return _linear(c.hidden_size, "down_proj", self.dtype, invariant=c.batch_invariant)(activation(c.hidden_act)(gate) * up)
 
 
 def feed_forward(cfg: ModelConfig, layer: int, dtype: Any) -> nn.Module:
@@ -228,11 +238,14 @@ class LMHead(nn.Module):
 
     vocab_size: int
     dtype: Any = jnp.float32
+    invariant: bool = False   # in row tiles (`batch_invariant`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", nn.initializers.normal(INIT_STD),
                             (x.shape[-1], self.vocab_size), self.dtype)
+        if self.invariant:
+            return bi.matmul(x.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
         return jnp.einsum("...h,hv->...v", x.astype(self.dtype), kernel,
                           preferred_element_type=jnp.float32)
 
@@ -301,11 +314,14 @@ class DecoderLM(nn.Module):
         if logits_at is not None:
             x, residual = rows(x, logits_at), rows(residual, logits_at)
         x = final(x, residual)[1]
-        if c.tie_word_embeddings:
+        if c.tie_word_embeddings and c.batch_invariant:
+            logits = bi.matmul(x, embed.embedding.astype(self.dtype).T,
+                               preferred_element_type=jnp.float32)
+        elif c.tie_word_embeddings:
             logits = jnp.einsum("...h,vh->...v", x, embed.embedding.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         else:
-            logits = LMHead(c.vocab_size, self.dtype, name="lm_head")(x)
+            logits = LMHead(c.vocab_size, self.dtype, c.batch_invariant, name="lm_head")(x)
         logits = logits.astype(jnp.float32)
         if c.final_logit_softcapping:
             cap = c.final_logit_softcapping

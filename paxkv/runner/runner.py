@@ -106,7 +106,8 @@ def _step_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: j
     logits, fed, hidden, kv_pool, st = _forward_with_features(params, kv_pool, inputs,
                                                               prev_tokens, p)
     result = sample(logits, st, mode=p.sampling_mode, num_logprobs=p.num_logprobs,
-                    num_prompt_logprobs=p.num_prompt_logprobs, fed_tokens=fed)
+                    num_prompt_logprobs=p.num_prompt_logprobs, fed_tokens=fed,
+                    invariant=p.cfg.batch_invariant)
     arrays = tuple(result) + ((hidden,) if p.hidden_layers else ())
     return (transfer.pack_device(arrays), _pad_rows(result.tokens, prev_tokens.shape[0]),
             kv_pool)
@@ -130,7 +131,7 @@ def _sample_fn(logits: jax.Array, fed: jax.Array, hidden: jax.Array, inputs: jax
     _, st, _ = _unpack_inputs(inputs, p.spec)
     result = sample(logits, st._replace(masks=masks), mode=p.sampling_mode,
                     num_logprobs=p.num_logprobs, num_prompt_logprobs=p.num_prompt_logprobs,
-                    fed_tokens=fed)
+                    fed_tokens=fed, invariant=p.cfg.batch_invariant)
     return (transfer.pack_device(tuple(result) + ((hidden,) if p.hidden_layers else ())),
             _pad_rows(result.tokens, prev_tokens.shape[0]))
 
@@ -163,7 +164,7 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
         logits, pool = forward(params, step, pool, p.cfg, plan=p.plan, decode_only=True,
                                mesh=p.mesh)
         res = sample(logits, st._replace(steps=st.steps + j), mode=p.sampling_mode,
-                     num_logprobs=0, fed_tokens=tokens)
+                     num_logprobs=0, fed_tokens=tokens, invariant=p.cfg.batch_invariant)
         out_tok = out_tok.at[j].set(res.tokens)
         out_lp = out_lp.at[j].set(res.logprobs)
         inc = valid.astype(jnp.int32)

@@ -58,6 +58,8 @@ _HELP = {
     "tensor_parallel_size": "devices to shard the model over",
     "seed": "seed of requests that give none, and of random weights",
     "num_scheduler_steps": "decode steps per host round trip",
+    "batch_invariant": "a request's tokens and logprobs do not depend on its batch mates "
+                       "(bitwise; slower)",
     "precompile": "compile every step shape at start-up (GPU), so no request waits on a compilation",
 }
 
