@@ -41,6 +41,8 @@ flags.DEFINE_float("temperature", 1.0, "sampling temperature of the rollouts")
 flags.DEFINE_float("learning_rate", 3e-4, "Adam's learning rate")
 flags.DEFINE_string("keyword", "Mrs.", "the reward: 1 when the completion contains it")
 flags.DEFINE_integer("seed", 0, "seed of the rollouts")
+flags.DEFINE_bool("batch_invariant", False, "LLM(batch_invariant=True), and the trainer on "
+                  "the engine's config: the engine's logprobs equal the trainer's bitwise")
 flags.DEFINE_string("out_dir", "scratch/results", "where rl_rollouts.json/.md/.png go "
                     "(--out_dir=results updates the committed results)")
 
@@ -65,8 +67,9 @@ def main(argv: list[str]) -> None:
     params, cfg = load_checkpoint(path, dtype="float32")
     t0 = time.perf_counter()
     llm = LLM(FLAGS.model, dtype="float32", seed=FLAGS.seed, max_num_seqs=max(
-        64, FLAGS.prompts_per_step * FLAGS.group))
+        64, FLAGS.prompts_per_step * FLAGS.group), batch_invariant=FLAGS.batch_invariant)
     fresh_s = time.perf_counter() - t0
+    cfg = llm.model_config      # computes as the engine does (batch-invariant when asked)
     tok = llm.get_tokenizer()
     optimizer = optax.adam(FLAGS.learning_rate)
     opt_state = optimizer.init(params)
@@ -146,14 +149,17 @@ def main(argv: list[str]) -> None:
              f"of up to {FLAGS.max_tokens} tokens at temperature {FLAGS.temperature}; reward: the "
              f"completion contains {FLAGS.keyword!r}; Adam, learning rate {FLAGS.learning_rate}. The "
              "logprob gap compares the engine's logprob of each sampled token with the trainer's "
-             "(`token_logprobs`, the dense forward) on the same weights: float32 on both sides, it is "
-             "the batch-dependent rounding of the paged forward (not yet batch-invariant).")
+             "(`token_logprobs`, the dense forward) on the same weights, float32 on both sides: "
+             + ("with `batch_invariant` both compute each token the same way, so it is zero."
+                if FLAGS.batch_invariant else "the batch-dependent rounding of the paged forward "
+                "(`--batch_invariant` removes it)."))
     paths = common.write_results(
-        "rl_rollouts", FLAGS.out_dir, title="GRPO rollouts through paxkv, weights synced in place",
+        "rl_rollouts_batch_invariant" if FLAGS.batch_invariant else "rl_rollouts", FLAGS.out_dir,
+        title="GRPO rollouts through paxkv, weights synced in place",
         command=common.command_line(), hardware=common.host_hardware("JAX on the default device"),
         settings={k: FLAGS[k].value for k in ("model", "steps", "prompts_per_step", "group",
                                                "max_tokens", "temperature", "learning_rate",
-                                               "keyword", "seed")},
+                                               "keyword", "seed", "batch_invariant")},
         results={"summary": summary, "history": history}, table=table, notes=notes,
         figure=_figure(history))
     print(table)

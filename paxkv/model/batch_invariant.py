@@ -98,7 +98,8 @@ def chunked_attention(q: jax.Array, q_pos: jax.Array, slots: Callable[[jax.Array
     and with `window` > q_pos - window); `rows [T, ...]`: what `slots` needs to find a
     query's keys; `slots(rows_tile, key_positions [tile, KEY_CHUNK]) -> [tile, KEY_CHUNK]`
     indices into `k_flat / v_flat [slots, Hkv, d]`. `num_chunks` chunks are read (at least
-    enough for the last query; more change nothing). -> `[T, Hq, d]` in q's dtype.
+    enough for the last query; more change nothing): an upper bound, each tile of queries
+    stops after the chunk its last query needs. -> `[T, Hq, d]` in q's dtype.
     """
     t, hq, d = q.shape
     hkv = k_flat.shape[1]
@@ -139,8 +140,11 @@ def chunked_attention(q: jax.Array, q_pos: jax.Array, slots: Callable[[jax.Array
         init = (jnp.full((tile, hkv, g), -jnp.inf, jnp.float32),
                 jnp.zeros((tile, hkv, g), jnp.float32),
                 jnp.zeros((tile, hkv, g, d), jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(lambda c, j: _fenced(lambda a: chunk(*a), (c, j)), init,
-                                      jnp.arange(max(2, num_chunks), dtype=jnp.int32))
+        # Only the chunks this tile's last query needs (at least two, at most `num_chunks`,
+        # a bound known only at run time): the work follows the context, not the table.
+        needed = jnp.clip(jnp.max(pt) // KEY_CHUNK + 1, 2, max(2, num_chunks))
+        _, l, acc = jax.lax.fori_loop(
+            0, needed, lambda j, c: _fenced(lambda a: chunk(*a)[0], (c, j)), init)
         return acc / jnp.where(l == 0, 1.0, l)[..., None]
 
     out = jax.lax.map(lambda a: _fenced(one_tile, a), (qs, ps, rs))
