@@ -1,0 +1,12 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them with one forward of the
+target model, keep the longest prefix the target agrees with, exactly in distribution.
+
+- `config.py`: `speculative_config`, vLLM's keys, checked (host).
+- `ngram.py`: the "ngram" proposer, prompt lookup over the sequence's own tokens (host).
+- `rejection.py`: the verify step's sampler: rejection sampling (Leviathan et al., 2023;
+  Chen et al., 2023) over the target's processed distribution, so the emitted tokens follow
+  it exactly; greedy rows keep the drafts that equal the target's argmax (device, pure JAX).
+
+The engine's side (a verify step of k + 1 tokens per sequence, rejected slots rolled back,
+the draft model's own pool) is docs/speculative_decoding.md's open part.
+"""
