@@ -22,6 +22,7 @@ from paxkv.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
                           default_batch_limits, resolve_dtype, runner_config)
 from paxkv.engine.llm_engine import LLMEngine
 from paxkv.engine_args import EngineArgs
+from paxkv.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger("paxkv")
 
@@ -170,7 +171,8 @@ def engine_config(args: EngineArgs, cfg: ModelConfig, dtype: str, platform: str)
     return EngineConfig(cfg, cache, sched, dtype=dtype, attention_backend=args.attention_backend,
                         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                         num_scheduler_steps=args.num_scheduler_steps,
-                        async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs)
+                        async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
+                        speculative=parse_speculative_config(args.speculative_config))
 
 
 def size_pools(config: EngineConfig, params: Any, mesh: Any, platform: str,

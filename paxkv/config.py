@@ -7,6 +7,7 @@ dataclasses read by host code only.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from pallas_kernels.arith import cdiv
 
@@ -334,8 +335,18 @@ class EngineConfig:
     num_scheduler_steps: int = 1  # decode steps per host round trip (multi-step decoding)
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens
     max_logprobs: int = 20        # cap on logprobs / prompt_logprobs per request (vLLM's)
+    # Speculative decoding (`paxkv/spec_decode/`): `parse_speculative_config`'s result.
+    speculative: Any = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            from paxkv.spec_decode.config import IMPLEMENTED_METHODS, SpeculativeConfig
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError("EngineConfig.speculative must be a SpeculativeConfig "
+                                 "(spec_decode.config.parse_speculative_config)")
+            if self.speculative.method not in IMPLEMENTED_METHODS:
+                raise ValueError(f"speculative_config.method {self.speculative.method!r} is not "
+                                 f"implemented yet (implemented: {IMPLEMENTED_METHODS})")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):

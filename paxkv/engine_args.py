@@ -41,6 +41,9 @@ class EngineArgs:
       its batch and however its prefill is chunked, and equal to the trainer's
       `paxkv.model.dense.token_logprobs` on `llm.model_config` (`model/batch_invariant.py`;
       dense models, unquantized pages; slower: docs/rollouts.md).
+    - `speculative_config`: vLLM's dict, e.g. `{"method": "ngram", "num_speculative_tokens":
+      4}` (docs/speculative_decoding.md; "ngram" runs, "draft_model" and "eagle" are refused
+      as not implemented yet).
     - `params`: weights to serve instead of loading or drawing them (any layout).
     - `tokenizer`: "auto" (the checkpoint's), None, or a `paxkv.tokenizer.Tokenizer`.
     """
@@ -72,6 +75,7 @@ class EngineArgs:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     precompile: bool = False
     batch_invariant: bool = False
+    speculative_config: dict | None = None
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None

@@ -101,7 +101,8 @@ def process_logits(rows: jax.Array, st: SamplingTensors, fed_tokens: jax.Array) 
     return rows
 
 
-def _log_softmax(rows: jax.Array, invariant: bool) -> jax.Array:
+def log_softmax_rows(rows: jax.Array, invariant: bool) -> jax.Array:
+    """Log-softmax over the last axis; in the batch-invariant form when `invariant`."""
     if invariant:     # row tiles: a row's logprobs do not depend on the other rows
         from paxkv.model import batch_invariant as bi
         return bi.log_softmax(rows)
@@ -115,7 +116,7 @@ def _prompt_logprobs(logits: jax.Array, st: SamplingTensors, k: int,
     if not p:
         return (jnp.zeros((0,), jnp.float32), jnp.zeros((0, k), jnp.int32),
                 jnp.zeros((0, k), jnp.float32))
-    lp = _log_softmax(logits[logits.shape[0] - p:].astype(jnp.float32), invariant)
+    lp = log_softmax_rows(logits[logits.shape[0] - p:].astype(jnp.float32), invariant)
     own = jnp.take_along_axis(lp, st.prompt_targets[:, None], axis=-1)[:, 0]
     if k:
         top_lp, top_ids = jax.lax.top_k(lp, k)
@@ -137,7 +138,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, mode: str, num_logprobs: i
     if mode not in SAMPLING_MODES:
         raise ValueError(f"mode must be one of {SAMPLING_MODES}, got {mode!r}")
     rows = logits[st.logits_rows].astype(jnp.float32)             # [R, V]
-    raw_logprobs = _log_softmax(rows, invariant)
+    raw_logprobs = log_softmax_rows(rows, invariant)
     rows = process_logits(rows, st, fed_tokens)
     greedy_ids = jnp.argmax(rows, axis=-1).astype(jnp.int32)
     if mode == "greedy":

@@ -554,6 +554,23 @@ class BlockManager:
                                f"needs {need} blocks, {self.num_available_blocks} available")
         return copies
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back `seq`'s device blocks past those its first `num_tokens` tokens need:
+        slots reserved for speculative tokens the verify step rejected. Returns how many
+        blocks went back. Models of one full-attention KV group only."""
+        if not self._plain:
+            raise ValueError("trim: only models of one full-attention KV group")
+        if seq.seq_id not in self._device_seqs:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        table = seq.block_table
+        if len(table) <= keep:
+            return 0
+        gone = table[keep:]
+        del table[keep:]
+        self.device_pool.free(reversed(gone))
+        return len(gone)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (ref counts +1)."""
         if parent.seq_id not in self._device_seqs:

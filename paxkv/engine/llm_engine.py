@@ -65,6 +65,7 @@ class _StepInFlight:
     row_seqs: list[Seq]
     sched: SchedulerOutput
     num_steps: int = 1                # > 1: a multi-step decode call
+    verify: bool = False              # a speculative verify step (`num_steps` = k + 1)
     placeholder_at: list[int] | None = None   # async: where each row's placeholder sits
     feature_items: list[int] = dataclasses.field(default_factory=list)  # items with features
 
@@ -106,6 +107,11 @@ class LLMEngine:
         self._step_index = 0
         self.num_scheduler_steps = config.num_scheduler_steps
         self.async_scheduling = bool(config.async_scheduling)
+        # Speculative decoding proposes from the sequence's newest tokens, so each step is
+        # read back before the next is scheduled.
+        self.speculative = getattr(config, "speculative", None)
+        if self.speculative is not None:
+            self.async_scheduling = False
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -331,8 +337,13 @@ class LLMEngine:
         if out.blocks_to_load:
             self.runner.load(out.blocks_to_load)
         k = self._multi_step_count(out)
+        drafts = self._propose(out) if self.speculative is not None else None
         step = None
-        if out.chunks:
+        if drafts is not None:
+            step = self._dispatch_verify(out, drafts)
+            k = 1
+            compile_s += step.pending.compile_s
+        elif out.chunks:
             if k > 1 and not self._reserve_multi_step(out, k):
                 k = 1
             step = self._dispatch(out, k)
@@ -342,7 +353,7 @@ class LLMEngine:
             device_s, compile_s = device_s + d, compile_s + c
         if step is not None:
             self.scheduler.on_step_done(out)
-            if sync or k > 1:
+            if sync or k > 1 or step.verify:
                 d, c = self._process(step, changed, only_finished)
                 device_s, compile_s = device_s + d, compile_s + c
             else:
@@ -415,6 +426,89 @@ class LLMEngine:
         k = min(k, self.max_model_len - longest + 1)
         return k if k > 1 else 1
 
+    def _propose(self, out: SchedulerOutput) -> list[list[int]] | None:
+        """Drafts for each sequence of a plain decode step, counted in the token budget and
+        their slots reserved; None when the step runs as an ordinary one: nothing proposed,
+        no room, or a sequence not eligible (`_multi_step_count`'s conditions, except that
+        the sampled token's own logprob, `logprobs=0`, is allowed; one KV group only)."""
+        spec = self.speculative
+        if (not out.chunks or out.num_prefill_tokens or out.preempted or out.blocks_to_copy
+                or out.blocks_to_swap_in or out.blocks_to_swap_out
+                or self.kv_layout.windows() != (None,)):
+            return None
+        from paxkv.spec_decode.ngram import propose_ngram
+        owner = self._owner
+        budget = self.config.scheduler.max_num_batched_tokens - len(out.chunks)
+        drafts, total = [], 0
+        for c in out.chunks:
+            seq = c.seq
+            req = owner[seq.seq_id][0]
+            p = req.params
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
+            if (c.num_tokens != 1 or not c.needs_sample or req.needs_host_sync
+                    or req.features is not None or (p.logprobs or 0) > 0
+                    or n_out < p.min_tokens or isinstance(req, BeamRequest)):
+                return None
+            room = min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids),
+                       p.max_tokens - n_out - 1, budget - total)
+            d = (propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                 if room > 0 else [])
+            drafts.append(d)
+            total += len(d)
+        if not total:
+            return None
+        plan = [(c.seq, 1 + len(d)) for c, d in zip(out.chunks, drafts)]
+        copies = self.block_manager.allocate_slots(plan)
+        offloads, _ = self.block_manager.take_tier_copies()
+        if offloads:
+            self.runner.offload(offloads)
+        if copies is None:
+            return None
+        self.runner.copy_blocks(copies)
+        return drafts
+
+    def _dispatch_verify(self, out: SchedulerOutput, drafts: list[list[int]]) -> _StepInFlight:
+        """A verify step: each sequence's last token and its drafts, one sampling row each."""
+        items, rows, row_seqs = [], [], []
+        owner = self._owner
+        for i, (c, d) in enumerate(zip(out.chunks, drafts)):
+            seq = c.seq
+            req, index = owner[seq.seq_id]
+            items.append(WorkItem(list(seq.token_ids[c.start:c.start + 1]) + d, c.start,
+                                  seq.block_table))
+            rows += self._rows_for(i, seq, req, index)
+            row_seqs.append(seq)
+        k = self.speculative.num_speculative_tokens
+        self.metrics.spec_verify_steps += len(items)
+        self.metrics.spec_draft_tokens += sum(map(len, drafts))
+        pending = self.runner.dispatch_verify(items, rows, k)
+        return _StepInFlight(pending, rows, row_seqs, out, k + 1, verify=True)
+
+    def _apply_verify(self, step: _StepInFlight, sample: HostSample,
+                      changed: dict[str, RequestOutput], only_finished: bool) -> None:
+        """A verify step's emitted tokens, in order: the kept drafts (their KV is computed)
+        and the token after them; then the slots of rejected drafts go back to the pool."""
+        tokens = sample.tokens.tolist()
+        logprobs = sample.logprobs.tolist()
+        owner = self._owner
+        live = [(i, seq, owner[seq.seq_id][0]) for i, seq in enumerate(step.row_seqs)
+                if seq.seq_id in owner and not seq.status.is_finished()]
+        touched: dict[str, EngineRequest] = {req.request_id: req for _, _, req in live}
+        ended: set[str] = set()
+        record = self.output_processor.record_token
+        for j in range(step.num_steps):
+            live = [e for e in live if tokens[j][e[0]] >= 0 and not e[1].status.is_finished()]
+            if j > 0:    # the draft recorded at j - 1 was kept: its KV counts as computed
+                self.scheduler.on_extra_decode_step([seq for _, seq, _ in live])
+                self.metrics.spec_accepted_tokens += len(live)
+            for i, seq, req in live:
+                if record(req, seq, tokens[j][i], logprobs[j][i], (), ()):
+                    ended.add(req.request_id)
+        for seq in step.row_seqs:
+            if seq.seq_id in owner and not seq.status.is_finished():
+                self.block_manager.trim(seq, len(seq.token_ids))
+        self._finish_touched(touched, ended, changed, only_finished)
+
     def _reserve_multi_step(self, out: SchedulerOutput, k: int) -> bool:
         """Reserve slots for all k tokens of a multi-step call (copy-on-write if shared), all
         or nothing; False when the pool has no room for them (the step then runs once)."""
@@ -432,7 +526,9 @@ class LLMEngine:
                  only_finished: bool) -> tuple[float, float]:
         """Fetch a dispatched step's tokens and apply them; returns (device wait, compile) s."""
         sample, timing = self.runner.fetch(step.pending)
-        if step.num_steps > 1:
+        if step.verify:
+            self._apply_verify(step, sample, changed, only_finished)
+        elif step.num_steps > 1:
             self._apply_multi(step, sample, changed, only_finished)
         else:
             self._apply(step, sample, changed, only_finished)

@@ -25,7 +25,7 @@ from paxkv.model.batch import StepBatch
 from paxkv.runner import transfer
 from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 from paxkv.runner.table_rows import TableRows
-from paxkv.sampler import SamplingTensors, sample
+from paxkv.sampler import SamplingTensors, log_softmax_rows, sample
 from paxkv.sampling.rows import (pack_item_features, pack_masks, pack_row_features, sampling_mode,
                                  widen_sampling_mode)
 
@@ -72,6 +72,7 @@ class StepProgram:
     hidden_layers: tuple[int, ...] = ()   # layers whose residual stream comes back
     mesh: Any = None                      # tensor parallelism
     num_steps: int = 1                    # decode steps per call (multi-step decoding)
+    num_draft_tokens: int = 0             # > 0: a speculative verify step of k drafts
 
 
 def _forward_with_features(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array,
@@ -178,11 +179,50 @@ def _multi_decode_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_t
             kv_pool)
 
 
+def _verify_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens: jax.Array, *,
+               program: StepProgram) -> tuple[jax.Array, jax.Array, kvp.KVPool]:
+    """A speculative verify step: work item r is a sequence's last token followed by its
+    drafts (up to k = `num_draft_tokens`), sampling row r verifies it. One forward writes
+    every token's KV and gives logits at each; `spec_decode.rejection` keeps the drafts the
+    target's distribution admits and draws the token after them. Returns tokens and their
+    raw logprobs `[k + 1, rows]` (-1 past a row's emitted tokens) packed in one buffer."""
+    from paxkv.model.forward import forward
+    from paxkv.spec_decode.rejection import rejection_sample, target_probs
+    p = program
+    k = p.num_draft_tokens
+    batch, st, _ = _unpack_inputs(inputs, p.spec)
+    batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
+    logits, kv_pool = forward(params, batch, kv_pool, p.cfg, plan=p.plan, all_logits=True,
+                              mesh=p.mesh)                                    # [T, V]
+    num_tokens, vocab = logits.shape
+    item = st.logits_rows                                                     # [R]
+    first = batch.cu_q_lens[item]
+    count = batch.cu_q_lens[item + 1] - first                                 # 1 + drafts
+    at = jnp.minimum(first[:, None] + jnp.arange(k + 1)[None, :], num_tokens - 1)
+    rows = logits[at]                                                         # [R, k + 1, V]
+    drafts = batch.token_ids[at[:, 1:]]
+    r = item.shape[0]
+
+    def per_position(x: jax.Array) -> jax.Array:
+        return jnp.repeat(x, k + 1)
+
+    probs = target_probs(rows.reshape(-1, vocab), per_position(st.temperature),
+                         per_position(st.top_k), per_position(st.top_p),
+                         per_position(st.min_p)).reshape(r, k + 1, vocab)
+    res = rejection_sample(probs, drafts, jnp.maximum(count - 1, 0), st.seeds, st.steps)
+    raw = log_softmax_rows(rows, p.cfg.batch_invariant)
+    lp = jnp.take_along_axis(raw, jnp.maximum(res.tokens, 0)[..., None], axis=-1)[..., 0]
+    last = jnp.take_along_axis(res.tokens, (res.num_emitted - 1)[:, None], axis=1)[:, 0]
+    return (transfer.pack_device((res.tokens.T, lp.T)), _pad_rows(last, prev_tokens.shape[0]),
+            kv_pool)
+
+
 # The step programs: the pool is donated, so XLA updates its pages in place.
 _jit_step = jax.jit(_step_fn, static_argnames="program", donate_argnums=(1,))
 _jit_forward = jax.jit(_forward_fn, static_argnames="program", donate_argnums=(1,))
 _jit_sample = jax.jit(_sample_fn, static_argnames="program")
 _jit_multi_decode = jax.jit(_multi_decode_fn, static_argnames="program", donate_argnums=(1,))
+_jit_verify = jax.jit(_verify_fn, static_argnames="program", donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -601,6 +641,27 @@ class Runner:
                               time.perf_counter(), pack_s)
         pending.spans, pending.has_hidden = spans, bool(layers)
         return self._dispatched(pending)
+
+    def dispatch_verify(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
+                        num_draft_tokens: int) -> "PendingStep":
+        """Queue a speculative verify step (`_verify_fn`): item r is a sequence's last token
+        and its drafts, row r samples it; returns tokens and logprobs `[k + 1, rows]`, -1
+        past a row's emitted tokens, as `fetch` gives them."""
+        t0 = time.perf_counter()
+        batch, _ = self.pack(items)
+        st, mode, _ = self.pack_sampling(rows)
+        pack_s = time.perf_counter() - t0
+        inputs, spec = _pack_inputs(batch, st, self.mesh)
+        program = StepProgram(spec, self.cfg, self.plan, mode, mesh=self.mesh,
+                              num_draft_tokens=num_draft_tokens)
+        key = (program,)
+        new = key not in self.compiled_keys
+        out, self._last_tokens, self.kv_pool = _jit_verify(
+            self.params, self.kv_pool, inputs, self._last_tokens, program=program)
+        shape = (num_draft_tokens + 1, st.seeds.shape[0])
+        return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")),
+                                            len(rows), 0, key, new, t0, time.perf_counter(),
+                                            pack_s, multi=True))
 
     def fetch(self, pending: "PendingStep") -> tuple[HostSample, StepTiming]:
         """Wait for a dispatched step and bring its sampled ids to the host. The timing's

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import selectors
@@ -93,7 +94,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
         else:
             group.add_argument(flag, dest=name, type=typ, default=field.default, help=help_)
         names.append(name)
+    group.add_argument("--speculative-config", dest="speculative_config", type=_json_object,
+                       default=None, help="speculative decoding, vLLM's JSON: "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default: none)")
+    names.append("speculative_config")
     return names
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
