@@ -25,7 +25,6 @@ import os
 import sys
 import time
 
-import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -19,7 +19,6 @@ import dataclasses
 from typing import Any
 
 from absl import app, flags
-from tqdm import tqdm
 
 from configs import experiments as configs
 from experiments import common, load_sweep, serving
