@@ -38,6 +38,8 @@ flags.DEFINE_integer("max_tokens", 160, "output tokens per request at most")
 flags.DEFINE_list("k", ["1", "2", "3", "4", "6", "8"], "num_speculative_tokens to evaluate")
 flags.DEFINE_integer("prompt_lookup_min", 1, "shortest suffix looked up")
 flags.DEFINE_integer("prompt_lookup_max", 4, "longest suffix looked up")
+flags.DEFINE_list("engine_k", ["2", "4"], "also run the engine with speculation at these k "
+                  "and compare its drafts and kept tokens with the replay")
 flags.DEFINE_string("out_dir", "scratch/results", "where spec_acceptance.json/.md/.png go "
                     "(--out_dir=results updates the committed results)")
 
@@ -87,13 +89,17 @@ PROMPTS = {
 }
 
 
-def simulate(prompt: list[int], output: list[int], k: int, n_min: int, n_max: int) -> dict:
-    """Greedy n-gram speculation along `output`: verify steps, drafts proposed and kept."""
+def simulate(prompt: list[int], output: list[int], k: int, n_min: int, n_max: int,
+             max_tokens: int) -> dict:
+    """Greedy n-gram speculation along `output`, as the engine runs it: the first token comes
+    from the prefill step, and a draft never runs past `max_tokens`. -> verify steps, drafts
+    proposed and kept."""
     from paxkv.spec_decode.ngram import propose_ngram
-    steps = proposed = kept = 0
-    t = 0
+    steps, proposed, kept = 1, 0, 0
+    t = 1
     while t < len(output):
-        draft = propose_ngram(prompt + output[:t], k, n_min, n_max)
+        room = min(k, max_tokens - t - 1)
+        draft = propose_ngram(prompt + output[:t], room, n_min, n_max) if room > 0 else []
         match = 0
         while match < len(draft) and t + match < len(output) and draft[match] == output[t + match]:
             match += 1
@@ -127,10 +133,27 @@ def main(argv: list[str]) -> None:
             samples.append({"kind": kind, "output_tokens": len(output),
                             "text": o.outputs[0].text[:300]})
             for k in ks:
-                r = simulate(prompt, output, k, FLAGS.prompt_lookup_min, FLAGS.prompt_lookup_max)
+                r = simulate(prompt, output, k, FLAGS.prompt_lookup_min, FLAGS.prompt_lookup_max,
+                             FLAGS.max_tokens)
                 acc = per_kind[kind].setdefault(k, {"steps": 0, "tokens": 0, "proposed": 0, "kept": 0})
                 for key in acc:
                     acc[key] += r[key]
+    engine = {}
+    for k in [int(k) for k in FLAGS.engine_k]:
+        spec = LLM(FLAGS.model, max_model_len=1024, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": FLAGS.prompt_lookup_min, "prompt_lookup_max": FLAGS.prompt_lookup_max})
+        t0 = time.perf_counter()
+        spec_outs = spec.chat(conversations, sp, use_tqdm=False)
+        m = spec.llm_engine.metrics
+        same = [list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+                for a, b in zip(outs, spec_outs)]
+        replay = {key: sum(per_kind[kind][k][key] for kind in kinds) for key in ("proposed", "kept")}
+        engine[k] = {"outputs_equal": sum(same), "requests": len(same),
+                     "drafts": m.spec_draft_tokens, "kept": m.spec_accepted_tokens,
+                     "replay_drafts": replay["proposed"], "replay_kept": replay["kept"],
+                     "seconds": time.perf_counter() - t0}
+        del spec
     rows, summary = [], {}
     for kind in kinds:
         for k in ks:
@@ -143,6 +166,13 @@ def main(argv: list[str]) -> None:
     table = common.markdown_table(
         ["prompts", "k", "output tokens", "tokens per verify step", "drafts kept",
          "drafts proposed per step"], rows)
+    if engine:
+        table += "\n\nThe engine itself, `speculative_config={'method': 'ngram', ...}`, same requests:\n\n"
+        table += common.markdown_table(
+            ["k", "outputs equal to the engine without speculation", "drafts (engine / replay)",
+             "kept (engine / replay)"],
+            [[k, f"{e['outputs_equal']} of {e['requests']}", f"{e['drafts']} / {e['replay_drafts']}",
+              f"{e['kept']} / {e['replay_kept']}"] for k, e in engine.items()])
     notes = (f"Greedy outputs of {FLAGS.model} (up to {FLAGS.max_tokens} tokens, 4 chat prompts "
              f"per kind), then n-gram speculation replayed along them: suffixes of "
              f"{FLAGS.prompt_lookup_min}-{FLAGS.prompt_lookup_max} tokens looked up, longest "
@@ -160,7 +190,7 @@ def main(argv: list[str]) -> None:
         settings={"model": FLAGS.model, "max_tokens": FLAGS.max_tokens, "k": ks,
                   "prompt_lookup_min": FLAGS.prompt_lookup_min,
                   "prompt_lookup_max": FLAGS.prompt_lookup_max},
-        results={"summary": summary, "samples": samples}, table=table, notes=notes,
+        results={"summary": summary, "engine": engine, "samples": samples}, table=table, notes=notes,
         figure=_figure(per_kind, ks))
     print(table)
     print("wrote", ", ".join(paths.values()))

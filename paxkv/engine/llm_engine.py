@@ -500,8 +500,10 @@ class LLMEngine:
             live = [e for e in live if tokens[j][e[0]] >= 0 and not e[1].status.is_finished()]
             if j > 0:    # the draft recorded at j - 1 was kept: its KV counts as computed
                 self.scheduler.on_extra_decode_step([seq for _, seq, _ in live])
-                self.metrics.spec_accepted_tokens += len(live)
+            last = j + 1 == step.num_steps
             for i, seq, req in live:
+                if not last and tokens[j + 1][i] >= 0:    # a token follows: this is a kept draft
+                    self.metrics.spec_accepted_tokens += 1
                 if record(req, seq, tokens[j][i], logprobs[j][i], (), ()):
                     ended.add(req.request_id)
         for seq in step.row_seqs:

@@ -7,6 +7,6 @@ target model, keep the longest prefix the target agrees with, exactly in distrib
   Chen et al., 2023) over the target's processed distribution, so the emitted tokens follow
   it exactly; greedy rows keep the drafts that equal the target's argmax (device, pure JAX).
 
-The engine's side (a verify step of k + 1 tokens per sequence, rejected slots rolled back,
-the draft model's own pool) is docs/speculative_decoding.md's open part.
+The engine runs them (`LLMEngine._propose`, `_dispatch_verify`, `_apply_verify`; the step
+program `runner._verify_fn`): docs/speculative_decoding.md.
 """
