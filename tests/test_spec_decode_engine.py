@@ -119,3 +119,41 @@ def test_serve_flag_parses_json():
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[1, 2]"])
+
+
+def _pair_counts(outs) -> dict:
+    counts: dict = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filters", [dict(temperature=0.7), dict(temperature=0.7, top_p=0.8),
+                                     dict(temperature=0.7, top_k=4)],
+                         ids=["temperature", "top_p", "top_k"])
+def test_first_two_tokens_distribution_equals_no_speculation(filters):
+    """1024 seeds of one prompt, all in one batch so every decode step may speculate: the
+    joint distribution of the first two tokens (the second is a verified draft or the token
+    after a refusal) with and without speculation, by total variation, seed for seed.
+
+    The prompt is an opening, the model's greedy continuation and the opening again, so the
+    lookup proposes for most seeds (331-800 drafts, 94-455 kept, measured). Measured
+    distances: 0.034, 0.032 and 0.023; with a sampler that keeps every draft swapped in they
+    are 0.23, 0.47 and 0.33."""
+    n = 1024
+    kw = dict(max_num_seqs=n, max_num_batched_tokens=32768, num_gpu_blocks_override=2600)
+    plain_llm, spec_llm = _llm(False, **kw), _llm(True, **kw)
+    start = "It was a truth universally acknowledged, that a single man"
+    greedy = plain_llm.generate([start], SamplingParams(temperature=0.0, max_tokens=30),
+                                use_tqdm=False)[0].outputs[0].text
+    prompt = start + greedy + " " + start
+    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **filters) for s in range(n)]
+    plain = _pair_counts(plain_llm.generate([prompt] * n, sps, use_tqdm=False))
+    m = spec_llm.llm_engine.metrics
+    drafted, kept = m.spec_draft_tokens, m.spec_accepted_tokens
+    spec = _pair_counts(spec_llm.generate([prompt] * n, sps, use_tqdm=False))
+    assert m.spec_draft_tokens - drafted >= n // 4 and m.spec_accepted_tokens - kept >= 50
+    tv = 0.5 * sum(abs(plain.get(k, 0) - spec.get(k, 0)) for k in set(plain) | set(spec)) / n
+    assert tv < 0.08, tv
