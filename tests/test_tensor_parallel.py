@@ -69,6 +69,25 @@ def test_tensor_parallel_equals_one_device(checkpoint, tp, steps):
     assert_no_leaks(llm)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_speculative_decoding_under_tensor_parallelism(checkpoint, kv):
+    """N-gram speculation at TP = 2 (and on an 8-bit pool): the tokens of the same run on one
+    device, greedy ones equal to the run without speculation."""
+    want = one_device(checkpoint, f"ngram-{kv}", speculative_config=NGRAM, kv_cache_dtype=kv)
+    plain = one_device(checkpoint, f"plain-{kv}", kv_cache_dtype=kv)
+    assert want["greedy"] == plain["greedy"] and want["again"] == plain["again"]
+    llm = LLM(checkpoint, tensor_parallel_size=2,
+              **llm_kwargs(speculative_config=NGRAM, kv_cache_dtype=kv))
+    got = workload(llm, beams=False)
+    assert got == want
+    assert llm.llm_engine.metrics.spec_draft_tokens > 0
+    assert_no_leaks(llm)
+
+
 SMALL_POOL = dict(num_gpu_blocks_override=18, swap_space=0.001)
 
 
