@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
                 for a, b in zip(outs, spec_outs)]
         replay = {key: sum(per_kind[kind][k][key] for kind in kinds) for key in ("proposed", "kept")}
         engine[k] = {"outputs_equal": sum(same), "requests": len(same),
-                     "drafts": m.spec_draft_tokens, "kept": m.spec_accepted_tokens,
+                     "drafts": m.spec_decode_num_draft_tokens, "kept": m.spec_decode_num_accepted_tokens,
                      "replay_drafts": replay["proposed"], "replay_kept": replay["kept"],
                      "seconds": time.perf_counter() - t0}
         del spec

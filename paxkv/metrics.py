@@ -38,9 +38,11 @@ class Metrics:
     prefix_cache_hits: int = 0        # of which found cached
     num_requests_finished: int = 0
     num_output_tokens: int = 0
-    spec_verify_steps: int = 0        # speculative decoding: verify rows run
-    spec_draft_tokens: int = 0        # drafts proposed
-    spec_accepted_tokens: int = 0     # of which kept
+    # Speculative decoding, under vLLM's names: verify rows that had drafts, draft tokens
+    # proposed, and of them kept.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     def record(self, s: StepStats) -> None:
         self.steps.append(s)
@@ -49,7 +51,8 @@ class Metrics:
         self.steps.clear()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.num_requests_finished = self.num_output_tokens = 0
-        self.spec_verify_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
 
     def summary(self) -> dict[str, float]:
         steps = [s for s in self.steps if s.num_seqs_scheduled]
@@ -75,8 +78,13 @@ class Metrics:
             "python_share": sum(s.python_s for s in run) / wall if wall else 0.0,
             "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
                                       if self.prefix_cache_queries else 0.0),
-            "spec_acceptance": (self.spec_accepted_tokens / self.spec_draft_tokens
-                                if self.spec_draft_tokens else 0.0),
+            "spec_decode_acceptance_rate": (
+                self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+                if self.spec_decode_num_draft_tokens else 0.0),
+            # tokens a verify row emits: its kept drafts and the one after them (vLLM's)
+            "spec_decode_mean_acceptance_length": (
+                1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+                if self.spec_decode_num_drafts else 0.0),
         }
         logical = sum(s.blocks_logical for s in steps)
         physical = sum(s.blocks_used for s in steps)

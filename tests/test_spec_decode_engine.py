@@ -45,11 +45,34 @@ def _tokens(llm: LLM, prompts, sp=GREEDY) -> list:
 
 def test_greedy_equals_no_speculation_and_drafts_are_kept():
     spec = _llm(True)
-    before = spec.llm_engine.metrics.spec_accepted_tokens
+    before = spec.llm_engine.metrics.spec_decode_num_accepted_tokens
     assert _tokens(spec, _prompts()) == _tokens(_llm(False), _prompts())
     m = spec.llm_engine.metrics
-    assert m.spec_accepted_tokens - before > 10          # speculation did happen
+    assert m.spec_decode_num_accepted_tokens - before > 10          # speculation did happen
     assert_no_leaks(spec)
+
+
+def test_metrics_under_vllms_names_and_in_prometheus():
+    """`llm.metrics.spec_decode_*` (vLLM's names), the rate and mean acceptance length in the
+    summary, and the server's `paxkv:spec_decode_*` counters taken from the engine."""
+    from paxkv.serve.ipc import EngineState
+    from paxkv.serve.metrics import ServerMetrics
+    spec = _llm(True)
+    _tokens(spec, _prompts()[:2])
+    m = spec.metrics
+    assert m.spec_decode_num_draft_tokens >= m.spec_decode_num_accepted_tokens > 0
+    assert m.spec_decode_num_drafts > 0
+    summary = m.summary()
+    assert summary["spec_decode_acceptance_rate"] == (m.spec_decode_num_accepted_tokens
+                                                      / m.spec_decode_num_draft_tokens)
+    assert summary["spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m.spec_decode_num_accepted_tokens / m.spec_decode_num_drafts)
+    server = ServerMetrics("tiny")
+    server.observe_state(EngineState.of(spec.llm_engine))
+    text = server.render().decode()
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        value = getattr(m, f"spec_decode_num_{name}")
+        assert f"paxkv:spec_decode_num_{name}_total {float(value)}" in text
 
 
 def test_preemption_chunked_prefill_and_prefix_cache():
@@ -63,7 +86,7 @@ def test_preemption_chunked_prefill_and_prefix_cache():
     assert _tokens(spec, prompts, sp) == want
     assert _tokens(spec, prompts, sp) == want             # prefix-cache hits this time
     assert sum(s.num_preemptions for s in spec.llm_engine.metrics.steps) > 0
-    assert spec.llm_engine.metrics.spec_accepted_tokens > 0
+    assert spec.llm_engine.metrics.spec_decode_num_accepted_tokens > 0
     assert_no_leaks(spec)
 
 
@@ -72,9 +95,9 @@ def test_batch_invariant_tokens_and_logprobs_are_bitwise_equal():
     prompts = _prompts()[:3]
     plain = _llm(False, batch_invariant=True).generate(prompts, sp, use_tqdm=False)
     llm = _llm(True, batch_invariant=True)
-    before = llm.llm_engine.metrics.spec_accepted_tokens
+    before = llm.llm_engine.metrics.spec_decode_num_accepted_tokens
     spec = llm.generate(prompts, sp, use_tqdm=False)
-    assert llm.llm_engine.metrics.spec_accepted_tokens > before
+    assert llm.llm_engine.metrics.spec_decode_num_accepted_tokens > before
     for a, b in zip(plain, spec):
         assert (a.outputs[0].token_ids, a.outputs[0].logprobs) == (b.outputs[0].token_ids,
                                                                    b.outputs[0].logprobs)
@@ -88,9 +111,9 @@ def test_sampled_logprobs_are_the_targets_and_seeds_reproduce():
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=30, ignore_eos=True,
                         logprobs=0)
     prompts = _prompts()[:3]
-    before = llm.llm_engine.metrics.spec_accepted_tokens
+    before = llm.llm_engine.metrics.spec_decode_num_accepted_tokens
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert llm.llm_engine.metrics.spec_accepted_tokens > before
+    assert llm.llm_engine.metrics.spec_decode_num_accepted_tokens > before
     again = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
     trainer = jax.jit(token_logprobs, static_argnums=2)
@@ -152,8 +175,8 @@ def test_first_two_tokens_distribution_equals_no_speculation(filters):
     sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **filters) for s in range(n)]
     plain = _pair_counts(plain_llm.generate([prompt] * n, sps, use_tqdm=False))
     m = spec_llm.llm_engine.metrics
-    drafted, kept = m.spec_draft_tokens, m.spec_accepted_tokens
+    drafted, kept = m.spec_decode_num_draft_tokens, m.spec_decode_num_accepted_tokens
     spec = _pair_counts(spec_llm.generate([prompt] * n, sps, use_tqdm=False))
-    assert m.spec_draft_tokens - drafted >= n // 4 and m.spec_accepted_tokens - kept >= 50
+    assert m.spec_decode_num_draft_tokens - drafted >= n // 4 and m.spec_decode_num_accepted_tokens - kept >= 50
     tv = 0.5 * sum(abs(plain.get(k, 0) - spec.get(k, 0)) for k in set(plain) | set(spec)) / n
     assert tv < 0.08, tv

@@ -84,7 +84,7 @@ def test_speculative_decoding_under_tensor_parallelism(checkpoint, kv):
               **llm_kwargs(speculative_config=NGRAM, kv_cache_dtype=kv))
     got = workload(llm, beams=False)
     assert got == want
-    assert llm.llm_engine.metrics.spec_draft_tokens > 0
+    assert llm.llm_engine.metrics.spec_decode_num_draft_tokens > 0
     assert_no_leaks(llm)
 
 

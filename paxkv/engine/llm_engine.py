@@ -479,8 +479,8 @@ class LLMEngine:
             rows += self._rows_for(i, seq, req, index)
             row_seqs.append(seq)
         k = self.speculative.num_speculative_tokens
-        self.metrics.spec_verify_steps += len(items)
-        self.metrics.spec_draft_tokens += sum(map(len, drafts))
+        self.metrics.spec_decode_num_drafts += sum(1 for d in drafts if d)
+        self.metrics.spec_decode_num_draft_tokens += sum(map(len, drafts))
         pending = self.runner.dispatch_verify(items, rows, k)
         return _StepInFlight(pending, rows, row_seqs, out, k + 1, verify=True)
 
@@ -503,7 +503,7 @@ class LLMEngine:
             last = j + 1 == step.num_steps
             for i, seq, req in live:
                 if not last and tokens[j + 1][i] >= 0:    # a token follows: this is a kept draft
-                    self.metrics.spec_accepted_tokens += 1
+                    self.metrics.spec_decode_num_accepted_tokens += 1
                 if record(req, seq, tokens[j][i], logprobs[j][i], (), ()):
                     ended.add(req.request_id)
         for seq in step.row_seqs:

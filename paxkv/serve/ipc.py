@@ -139,6 +139,9 @@ class EngineState:
     prefix_cache_hits: int
     num_compilations: int
     compile_s: float
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, engine: Any) -> "EngineState":
@@ -149,4 +152,11 @@ class EngineState:
                    max(0, engine.get_num_unfinished_requests() - waiting - sched.num_swapped),
                    bm.num_used_blocks / max(1, bm.num_blocks - 1), sched.num_preemptions,
                    bm.prefix_cache_queries, bm.prefix_cache_hits,
-                   getattr(runner, "num_compilations", 0), getattr(runner, "compile_time_s", 0.0))
+                   getattr(runner, "num_compilations", 0), getattr(runner, "compile_time_s", 0.0),
+                   *_spec_counts(engine))
+
+
+def _spec_counts(engine: Any) -> tuple[int, int, int]:
+    m = getattr(engine, "metrics", None)
+    return (getattr(m, "spec_decode_num_drafts", 0), getattr(m, "spec_decode_num_draft_tokens", 0),
+            getattr(m, "spec_decode_num_accepted_tokens", 0))

@@ -65,6 +65,13 @@ class ServerMetrics:
         self.num_compilations = gauge("paxkv:num_compilations",
                                       "Step programs compiled so far (steady state adds none)")
         self.compile_seconds = gauge("paxkv:compile_seconds", "Time spent compiling step programs")
+        self.spec_decode_num_drafts = counter(
+            "paxkv:spec_decode_num_drafts", "Speculative verify rows that had drafts")
+        self.spec_decode_num_draft_tokens = counter(
+            "paxkv:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_decode_num_accepted_tokens = counter(
+            "paxkv:spec_decode_num_accepted_tokens", "Draft tokens kept by the verify step")
+        self._spec_seen = [0, 0, 0]
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
@@ -86,6 +93,14 @@ class ServerMetrics:
         self._advance(self.prefix_cache_hits, "_hits_seen", state.prefix_cache_hits)
         self.num_compilations.set(state.num_compilations)
         self.compile_seconds.set(state.compile_s)
+        totals = (state.spec_decode_num_drafts, state.spec_decode_num_draft_tokens,
+                  state.spec_decode_num_accepted_tokens)
+        for i, (c, total) in enumerate(zip((self.spec_decode_num_drafts,
+                                            self.spec_decode_num_draft_tokens,
+                                            self.spec_decode_num_accepted_tokens), totals)):
+            if total > self._spec_seen[i]:
+                c.inc(total - self._spec_seen[i])
+            self._spec_seen[i] = total
 
     def _advance(self, counter: Counter, attr: str, total: int) -> None:
         seen = getattr(self, attr)
