@@ -61,6 +61,7 @@ def test_alone_equals_among_batch_mates(target, sp):
     assert alone == among == among_few
 
 
+@pytest.mark.slow
 def test_prefill_chunking_and_prefix_cache_change_nothing(target):
     """Chunks of 16 against the whole prompt in one step, and the second run of a prompt
     reading its first blocks from the prefix cache."""
@@ -73,6 +74,7 @@ def test_prefill_chunking_and_prefix_cache_change_nothing(target):
     assert whole == chunked == cached
 
 
+@pytest.mark.slow
 def test_engine_logprobs_equal_the_trainers(target):
     """Sampled tokens' logprobs == `token_logprobs` on the engine's params and config, jitted
     as a training step would, for a batch of sequences of different lengths."""

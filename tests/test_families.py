@@ -22,6 +22,7 @@ from hf_fixtures import (FAMILY_CONFIGS, FAMILY_WINDOW, hf_greedy, hf_logits, im
 from paxkv import LLM, SamplingParams
 from paxkv.model import dense
 from paxkv.model.weights import load_checkpoint, save_checkpoint
+from quick_subset import first_quick
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
 PROMPT_LENS = (41, 7, 63)
@@ -82,6 +83,7 @@ def test_dense_logits_equal_transformers(family):
         np.testing.assert_allclose(ours, hf_logits(family.hf, p), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", first_quick(FAMILIES, n=4), indirect=True)
 def test_engine_greedy_equals_transformers(family):
     """The paged engine (reference attention, chunked prefill of 32-token steps)."""
     llm, outs = generate(family, attention_backend="reference")

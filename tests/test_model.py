@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from hf_fixtures import TINY_CONFIGS, hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint
+from quick_subset import first_quick
 from paxkv.cache.kv_pool import init_pool
 from paxkv.model import dense, params as model_params
 from paxkv.model import forward as paged
@@ -47,7 +48,12 @@ def _build(name: str, tmp_path_factory) -> tuple:
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+# mha and the sharded checkpoint add little a contributor needs before pushing: full suite only.
+QUICK_CONFIGS = ["gqa", "llama3_rope", "tied"]
+
+
+@pytest.fixture(scope="module", params=first_quick(
+    QUICK_CONFIGS + sorted(set(TINY_CONFIGS) - set(QUICK_CONFIGS)), n=len(QUICK_CONFIGS)))
 def setup(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 

@@ -16,6 +16,7 @@ from pallas_kernels.ragged_paged_attention import (
 from kernel_helpers import HEAD_DIM, TOL, ragged_case, rel_err
 from paxkv.model.attention import reference_attention
 from paxkv.model.batch import StepBatch
+from quick_subset import first_quick
 
 
 
@@ -48,7 +49,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "q_lens,ctx_lens,q_heads,kv_heads,block_size,pad_tokens,dtype,block_q,ppcb", CASES)
+    "q_lens,ctx_lens,q_heads,kv_heads,block_size,pad_tokens,dtype,block_q,ppcb", first_quick(CASES, n=3))
 def test_ragged_matches_references(q_lens, ctx_lens, q_heads, kv_heads, block_size, pad_tokens,
                                    dtype, block_q, ppcb, interpret):
     seed = sum(q_lens) * 100 + q_heads + block_size

@@ -48,6 +48,7 @@ def test_config_and_tokenizer_come_from_the_file(llm):
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 @needs_file
 def test_tokenizer_equals_transformers_own_gguf_load():
     """paxkv reads the file's tokenizer without PyTorch; transformers' own GGUF load (which
@@ -66,6 +67,7 @@ def test_tokenizer_equals_transformers_own_gguf_load():
     assert (ours.bos_token, ours.eos_token, eos) == (ref.bos_token, ref.eos_token, (2,))
 
 
+@pytest.mark.slow
 @needs_file
 def test_weights_equal_transformers_gguf_load(hf_model):
     from paxkv.model.gguf_file import GGUFCheckpoint
@@ -76,6 +78,7 @@ def test_weights_equal_transformers_gguf_load(hf_model):
         np.testing.assert_array_equal(ckpt.tensor(name), state[name].numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 @needs_file
 def test_greedy_chat_equals_transformers(llm, hf_model):
     """Three conversations through the engine (paged KV, chunked prefill) against

@@ -127,6 +127,7 @@ def test_gemma_layout_groups():
     assert layout.group_of(5) == 0 and layout.slot_of(23) == 3
 
 
+@pytest.mark.slow
 def test_engine_holds_o_window_blocks_for_a_4k_mistral_sequence():
     """The engine on a Mistral-shaped model (every layer sliding, window 512): a 4,096-token
     prompt and 64 more tokens hold at most the blocks the window and one 512-token chunk

@@ -18,6 +18,7 @@ from pallas_kernels.paged_attention import (paged_attention, paged_attention_ref
                                             rope_paged_attention, rope_paged_attention_reference)
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
+from quick_subset import first_quick
 
 
 def poisoned(k, v, tables, first_visible, block_size):
@@ -43,7 +44,7 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,window,splits,ppcb,dtype",
-                         DECODE_CASES)
+                         first_quick(DECODE_CASES))
 def test_decode_window_skips_pages_before_it(q_heads, kv_heads, block_size, max_blocks, lens,
                                              window, splits, ppcb, dtype, interpret):
     q, k, v, tables, lens = decode_case(window + block_size, batch=len(lens), q_heads=q_heads,
@@ -109,7 +110,8 @@ RAGGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens,window,block_size,ppcb,block_q,pad,dtype", RAGGED_CASES)
+@pytest.mark.parametrize("q_lens,ctx_lens,window,block_size,ppcb,block_q,pad,dtype",
+                         first_quick(RAGGED_CASES))
 def test_ragged_window_skips_pages_before_it(q_lens, ctx_lens, window, block_size, ppcb,
                                              block_q, pad, dtype, interpret):
     q, k, v, tables, ctx, cu, real = ragged_case(

@@ -75,6 +75,7 @@ def test_metrics_under_vllms_names_and_in_prometheus():
         assert f"paxkv:spec_decode_num_{name}_total {float(value)}" in text
 
 
+@pytest.mark.slow
 def test_preemption_chunked_prefill_and_prefix_cache():
     """A pool of 16 blocks for six sequences of up to 120 tokens (preemption by recompute),
     prompts in chunks of 32, and a second round that hits the prefix cache."""
@@ -90,6 +91,7 @@ def test_preemption_chunked_prefill_and_prefix_cache():
     assert_no_leaks(spec)
 
 
+@pytest.mark.slow
 def test_batch_invariant_tokens_and_logprobs_are_bitwise_equal():
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
     prompts = _prompts()[:3]
@@ -103,6 +105,7 @@ def test_batch_invariant_tokens_and_logprobs_are_bitwise_equal():
                                                                    b.outputs[0].logprobs)
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_are_the_targets_and_seeds_reproduce():
     """Sampling with speculation: each emitted token's logprob is the target model's
     (the trainer's `token_logprobs`, bitwise with batch_invariant); the same seed gives the

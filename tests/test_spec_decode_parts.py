@@ -17,6 +17,7 @@ from paxkv.sampler import _filtered_sample
 from paxkv.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from paxkv.spec_decode.ngram import propose_ngram
 from paxkv.spec_decode.rejection import rejection_sample, target_probs
+from quick_subset import first_quick
 
 V, K, SEEDS = 8, 3, 20_000
 TV_BOUND = 0.025
@@ -103,7 +104,7 @@ def _probs(logits: np.ndarray, f) -> np.ndarray:
                                    jnp.full((n,), tp), jnp.full((n,), mp)))
 
 
-@pytest.mark.parametrize("name", list(FILTERS))
+@pytest.mark.parametrize("name", first_quick(list(FILTERS)))
 def test_target_probs_are_what_the_ordinary_sampler_draws(name):
     """Without speculation the engine draws by Gumbel-max after its filters: its empirical
     distribution over 20,000 seeds is `target_probs`."""
@@ -118,8 +119,8 @@ def test_target_probs_are_what_the_ordinary_sampler_draws(name):
         assert (want > 0).sum() == k
 
 
-@pytest.mark.parametrize("name", list(FILTERS))
-@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+@pytest.mark.parametrize("name", first_quick(list(FILTERS)))
+@pytest.mark.parametrize("proposer", first_quick(["draft_model", "ngram"]))
 def test_emitted_tokens_follow_the_target(name, proposer):
     """First token ~ p_0; the second, where the first draft was kept, ~ p_1 (the targets of
     this synthetic model do not depend on the prefix)."""
