@@ -13,6 +13,7 @@ import pytest
 from kernel_helpers import HEAD_DIM, TOL, rel_err
 from pallas_kernels.paged_attention import rope_paged_attention, rope_paged_attention_reference
 from test_paged_attention_kernel import make_case
+from quick_subset import first_quick
 
 
 def make_fused_case(seed, *, q_heads, kv_heads, block_size, max_blocks, lens, dtype):
@@ -43,7 +44,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", CASES)
+@pytest.mark.parametrize("q_heads,kv_heads,block_size,max_blocks,lens,dtype,splits,ppcb", first_quick(CASES, n=3))
 def test_fused_decode_matches_rope_write_then_attention(q_heads, kv_heads, block_size, max_blocks,
                                                         lens, dtype, splits, ppcb, interpret):
     seed = q_heads * 100 + block_size + splits
@@ -129,13 +130,42 @@ def test_fused_decode_bad_input_names_field(field, change, interpret):
 @pytest.mark.slow
 def test_fused_decode_default_splits_capped(interpret):
     """Without `num_splits` the fused kernel takes `choose_num_splits` capped at
-    `ROPE_DECODE_MAX_SPLITS` (one sequence over a wide table would get 8): still the unfused
+    `rope_decode_max_splits` (4 for this table; one sequence over it would get 8): still the unfused
     steps' output, for a context that ends mid-block and spans several splits."""
     import importlib
     module = importlib.import_module("pallas_kernels.paged_attention.paged_attention")
     assert module.choose_num_splits(1, 2, 64, 2) > module.ROPE_DECODE_MAX_SPLITS
     case = make_fused_case(11, q_heads=8, kv_heads=2, block_size=8, max_blocks=64,
                            lens=[203], dtype=jnp.float32)
+    want, want_k, _ = rope_paged_attention_reference(*case)
+    out, got_k, _ = rope_paged_attention(*case, pages_per_compute_block=2, interpret=interpret)
+    assert rel_err(out, want) < TOL[jnp.float32]
+    np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_decode_split_cap_follows_the_table_width():
+    """Short tables keep the 4-split cap one short-context stream was tuned at; a long context
+    (100k tokens in 16-token blocks, 128 tokens a loop step) gets `paged_attention`'s own split
+    count, so 8 KV heads of one stream fill the GPU."""
+    from pallas_kernels.paged_attention.paged_attention import (
+        ROPE_DECODE_MAX_SPLITS, choose_num_splits, rope_decode_max_splits)
+    assert rope_decode_max_splits(2048 // 16, 8) == ROPE_DECODE_MAX_SPLITS
+    long_pages = 100_000 // 16
+    cap = rope_decode_max_splits(long_pages, 8)
+    assert choose_num_splits(1, 8, long_pages, 8, max_splits=cap) == choose_num_splits(
+        1, 8, long_pages, 8) == 128
+    assert choose_num_splits(1, 8, 32_768 // 16, 8, max_splits=rope_decode_max_splits(
+        32_768 // 16, 8)) == 64
+
+
+@pytest.mark.slow
+def test_fused_decode_many_splits_over_a_wide_table(interpret):
+    """A table wide enough to lift the cap: 8 splits share a 453-token context (ending
+    mid-block) and the output is still the unfused steps'."""
+    from pallas_kernels.paged_attention.paged_attention import rope_decode_max_splits
+    assert rope_decode_max_splits(64, 2) == 8
+    case = make_fused_case(12, q_heads=8, kv_heads=2, block_size=8, max_blocks=64,
+                           lens=[453, 77], dtype=jnp.float32)
     want, want_k, _ = rope_paged_attention_reference(*case)
     out, got_k, _ = rope_paged_attention(*case, pages_per_compute_block=2, interpret=interpret)
     assert rel_err(out, want) < TOL[jnp.float32]

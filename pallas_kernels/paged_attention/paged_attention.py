@@ -205,11 +205,24 @@ def _rotated_heads(qkv_ref, cos_ref, sin_ref, q_rows, h, q_heads: int, kv_heads:
     return rotate(q_rows[:, None]), rotate(kv_row), qkv_ref[kv_row + kv_heads, cols]
 
 
-# Most splits of the fused RoPE + KV-write decode kernel (`rope_paged_attention`), whose
-# every program rotates its query rows and key before its first page: at one Llama-3-8B
-# stream on an H200 (JAX 0.11.2, results/one_stream.md) 8 splits ran 227.5-228.2 tok/s,
-# 4 splits 238.8-239.6, 2 splits 236.3-238.8, 1 split 233.9-234.3.
+# Most splits of the fused RoPE + KV-write decode kernel (`rope_paged_attention`) at short
+# contexts, where every program rotates its query rows and key before its first page: at one
+# Llama-3-8B stream on an H200 (JAX 0.11.2, results/one_stream.md; 200-640-token contexts in
+# a 2,048-token table) 8 splits ran 227.5-228.2 tok/s, 4 splits 238.8-239.6, 2 splits
+# 236.3-238.8, 1 split 233.9-234.3.
 ROPE_DECODE_MAX_SPLITS = 4
+# Past that, the cap follows the table's width: a split gets at least this many loop steps
+# of pages. With 4 splits, 8 KV heads were 32 programs on 132 SMs, and a 100k-token context
+# read its KV at 1.01 TB/s (H100) against 2.53 TB/s with `paged_attention`'s own split count.
+ROPE_DECODE_STEPS_PER_SPLIT = 4
+
+
+def rope_decode_max_splits(max_pages: int, pages_per_compute_block: int) -> int:
+    """The fused decode kernel's split cap for a block table `max_pages` wide: 4 while each
+    split would get fewer than 4 loop steps (one stream at short context), more past that, so
+    long contexts fill the GPU as `paged_attention` does."""
+    long_cap = max_pages // (ROPE_DECODE_STEPS_PER_SPLIT * pages_per_compute_block)
+    return max(ROPE_DECODE_MAX_SPLITS, long_cap)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
@@ -504,7 +517,7 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
       block_tables, context_lens: as `paged_attention`; `context_lens` counts the new token,
         the sequence's last (0: a padding row, output 0, nothing written).
       scale, window, pages_per_compute_block, num_warps, num_stages: as `paged_attention`.
-      num_splits: as `paged_attention`, its default at most `ROPE_DECODE_MAX_SPLITS`.
+      num_splits: as `paged_attention`, its default at most `rope_decode_max_splits`.
     Returns:
       (`[batch, q_heads, head_dim]` in `qkv.dtype`, k_pages, v_pages).
     """
@@ -531,7 +544,8 @@ def rope_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array,
     ppcb = _pages_per_compute_block(pages_per_compute_block, block_size)
     _check_window(window)
     splits, _, block_tables = _split_plan(
-        block_tables, batch, num_kv_heads, ppcb, num_splits, max_splits=ROPE_DECODE_MAX_SPLITS,
+        block_tables, batch, num_kv_heads, ppcb, num_splits,
+        max_splits=rope_decode_max_splits(block_tables.shape[1], ppcb),
         window_pages=None if window is None else cdiv(window, block_size) + ppcb)
     num_stages = paging.fit_num_stages(
         num_stages, 2, block_k=block_size * ppcb, head_dim=head_dim,
