@@ -25,7 +25,14 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "preset, GGUF file or chec
 flags.DEFINE_integer("stream_tokens", 512, "tokens of the one-stream run")
 flags.DEFINE_integer("num_chats", 256, "concurrent conversations")
 flags.DEFINE_integer("chat_tokens", 256, "most tokens per chat answer")
+flags.DEFINE_integer("ngram_k", 4, "draft tokens of the n-gram speculation row (0: skip it)")
 flags.DEFINE_string("out_dir", "scratch/real_model", "where the json, markdown and png go")
+
+# A prompt whose answer repeats it: n-gram speculation's case (editing, rewriting).
+EDIT = ("Copy this text exactly, replacing every 'cat' with 'dog':\n"
+        "The cat sat by the window every morning. When the sun rose, the cat stretched, "
+        "yawned and walked to the kitchen, where the cat waited for breakfast. After eating, "
+        "the cat returned to the window and watched the birds until noon.")
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.",
@@ -57,6 +64,16 @@ def conversations(n: int) -> list[list[dict[str, str]]]:
     return out
 
 
+def one_stream(llm, question: str, sp) -> dict:
+    """One greedy chat, run twice (the first compiles its table widths): the second's tokens,
+    time to first token and decode tok/s."""
+    for _ in range(2):
+        out = llm.chat([{"role": "user", "content": question}], sp, use_tqdm=False)[0]
+    m, ids = out.metrics, list(out.outputs[0].token_ids)
+    return {"tokens": len(ids), "token_ids": ids, "ttft_s": m.first_token_time - m.arrival_time,
+            "decode_tok_s": (len(ids) - 1) / (m.finished_time - m.first_token_time)}
+
+
 def main(argv):
     del argv
     import numpy as np
@@ -74,15 +91,12 @@ def main(argv):
     roofline = ceiling * 1e12 / weight_bytes
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8), use_tqdm=False)
 
-    # One stream.
+    # One stream (run twice: the first compiles the longer table widths).
     sp = SamplingParams(temperature=0.0, max_tokens=FLAGS.stream_tokens, ignore_eos=True)
-    out = llm.chat([{"role": "user", "content": QUESTIONS[0]}], sp, use_tqdm=False)[0]
-    m = out.metrics
-    stream = {"tokens": len(out.outputs[0].token_ids),
-              "ttft_s": m.first_token_time - m.arrival_time,
-              "decode_tok_s": (len(out.outputs[0].token_ids) - 1)
-              / (m.finished_time - m.first_token_time)}
+    stream = one_stream(llm, QUESTIONS[0], sp)
     stream["roofline_share"] = stream["decode_tok_s"] / roofline
+    edit_sp = SamplingParams(temperature=0.0, max_tokens=160)
+    edit_plain = one_stream(llm, EDIT, edit_sp)
 
     # Concurrent chats.
     convs = conversations(FLAGS.num_chats)
@@ -99,6 +113,31 @@ def main(argv):
              "stopped_at_eos": sum(o.outputs[0].finish_reason == "stop" for o in outs),
              "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
              "sample": {"question": QUESTIONS[0], "answer": outs[0].outputs[0].text}}
+    rows_spec = []
+    spec = None
+    if FLAGS.ngram_k:
+        llm.shutdown()
+        del llm
+        llm = LLM(FLAGS.model, max_num_seqs=8, speculative_config={
+            "method": "ngram", "num_speculative_tokens": FLAGS.ngram_k,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8), use_tqdm=False)
+        llm.metrics.reset()
+        edit_spec = one_stream(llm, EDIT, edit_sp)
+        summary = llm.metrics.summary()
+        spec = {"k": FLAGS.ngram_k, "plain": edit_plain, "speculative": edit_spec,
+                "same_tokens": edit_spec.pop("token_ids") == edit_plain["token_ids"],
+                "mean_acceptance_length": summary.get("spec_decode_mean_acceptance_length"),
+                "acceptance_rate": summary.get("spec_decode_acceptance_rate"),
+                "speedup": edit_spec["decode_tok_s"] / edit_plain["decode_tok_s"]}
+        rows_spec = [[f"one stream, copy-with-edits prompt, greedy, {edit_plain['tokens']} tokens",
+                      f"{edit_plain['decode_tok_s']:.0f}", "-", "no speculation"],
+                     [f"the same, n-gram speculation k = {FLAGS.ngram_k}",
+                      f"{edit_spec['decode_tok_s']:.0f}", "-",
+                      f"{spec['speedup']:.2f}x; {spec['mean_acceptance_length'] or 0:.2f} tokens "
+                      f"per verify step; outputs {'equal' if spec['same_tokens'] else 'DIFFER'}"]]
+    edit_plain.pop("token_ids", None)
+    stream.pop("token_ids", None)
     table = markdown_table(
         ["run", "tok/s", "vs roofline", "other"],
         [["one stream, greedy, {} tokens".format(stream["tokens"]), f"{stream['decode_tok_s']:.0f}",
@@ -106,7 +145,7 @@ def main(argv):
           f"TTFT {1e3 * stream['ttft_s']:.1f} ms"],
          [f"{chats['num_chats']} concurrent chats, sampled", f"{chats['output_tok_s']:.0f}", "-",
           f"{chats['requests_s']:.1f} req/s, mean {chats['mean_output_len']:.0f} tokens, "
-          f"TTFT p50 {chats['ttft_p50_s']:.2f} s"]])
+          f"TTFT p50 {chats['ttft_p50_s']:.2f} s"]] + rows_spec)
     notes = (f"Weights read per token: {weight_bytes / 1e6:.0f} MB (bf16, {cfg.num_params() / 1e6:.0f}M "
              f"parameters, the tied embedding read once by the LM head); copy bandwidth "
              f"{ceiling:.2f} TB/s, same run. Sample answer to '{QUESTIONS[0]}': "
@@ -123,9 +162,11 @@ def main(argv):
     paths = write_results("real_model", FLAGS.out_dir, title=f"The real model: {cfg.name}",
                           command=command_line(), hardware=device_hardware(),
                           settings={k: getattr(FLAGS, k) for k in ("model", "stream_tokens",
-                                                                   "num_chats", "chat_tokens")},
+                                                                   "num_chats", "chat_tokens",
+                                                                   "ngram_k")},
                           results={"bandwidth": bw, "weight_bytes": weight_bytes,
-                                   "roofline_tok_s": roofline, "stream": stream, "chats": chats},
+                                   "roofline_tok_s": roofline, "stream": stream, "chats": chats,
+                                   "ngram_speculation": spec},
                           table=table, notes=notes, figure=fig)
     print("wrote", ", ".join(paths.values()))
 
