@@ -152,6 +152,23 @@ class GGUFCheckpoint:
 
 
 
+# GGUF's `tokenizer.*` metadata keys -> the names transformers' converter and tokenizer take
+# (kept here: transformers' own table of them has moved and been renamed between releases).
+GGUF_TOKENIZER_KEYS = {
+    "tokenizer": {
+        "ggml.model": "tokenizer_type", "ggml.pre": "pre_tokenizer_type", "ggml.tokens": "tokens",
+        "ggml.scores": "scores", "ggml.token_type": "token_type", "ggml.merges": "merges",
+        "ggml.precompiled_charsmap": "precompiled_charsmap", "ggml.bos_token_id": "bos_token_id",
+        "ggml.eos_token_id": "eos_token_id", "ggml.unknown_token_id": "unk_token_id",
+        "ggml.padding_token_id": "pad_token_id", "ggml.add_space_prefix": "add_prefix_space",
+    },
+    "tokenizer_config": {
+        "chat_template": "chat_template", "ggml.add_bos_token": "add_bos_token",
+        "ggml.add_eos_token": "add_eos_token",
+    },
+}
+
+
 def gguf_hf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
     """(the file's tokenizer with its chat template, built by transformers from the GGUF
     vocabulary; the file's EOS ids), for `paxkv.tokenizer.load_tokenizer` to wrap.
@@ -160,13 +177,15 @@ def gguf_hf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
     the same steps as `PreTrainedTokenizerFast.from_pretrained(gguf_file=...)` takes, whose
     own GGUF reader needs PyTorch, which paxkv does not."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    try:       # where transformers keeps its GGUF tokenizer converter moved between releases
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
     reader = _reader(os.fspath(path))
     meta = {key: _field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
     grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items()
                        if f"tokenizer.{key}" in meta}
-               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+               for group, renames in GGUF_TOKENIZER_KEYS.items()}
     tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
     if tokenizer.get("tokenizer_type") == "llama":   # llama.cpp adds BOS unless told otherwise
         config.setdefault("add_bos_token", True)
