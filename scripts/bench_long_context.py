@@ -79,6 +79,8 @@ def kernel_rows(contexts: list[int], batches: list[int]) -> list[dict]:
         return jax.jit(f, donate_argnums=(6, 7))
 
     def unfused(qkv, cos, sin, slots, tables, lens, k, v):
+        # The pages go back out donated, as the fused kernel's do: an undonated input
+        # returned from a jit is a copy of the whole pool inside the timed call.
         q = qkv[:, :Q_HEADS]
         return paged_attention(q, k, v, tables, lens, interpret=interpret), k, v
 
@@ -95,7 +97,7 @@ def kernel_rows(contexts: list[int], batches: list[int]) -> list[dict]:
                 qkv, cos, sin, slots, k, v, tables, lens = _kernel_case(batch, ctx, fp8)
                 kv_bytes = 2 * batch * ctx * KV_HEADS * k.shape[-1] * k.dtype.itemsize
                 name = "fp8" if fp8 else "bf16"
-                variants = {"unfused": jax.jit(unfused)}
+                variants = {"unfused": jax.jit(unfused, donate_argnums=(6, 7))}
                 if not fp8:       # the fused kernel takes unquantized pages only
                     variants = {"fused_old_cap": fused(old), "fused_now": fused(None), **variants}
                 outs = {}
