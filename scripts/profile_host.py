@@ -57,6 +57,7 @@ class StubRunner(Runner):
         self.config = config
         self._take_shapes(config)
         self.num_compilations = 0
+        self._pending_offloads = []       # no host KV tier in this workload
 
     def swap_out(self, pairs) -> None:
         pass
