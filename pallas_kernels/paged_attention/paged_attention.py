@@ -116,8 +116,17 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
     # inside the table's padded width.
     window_start = 0 if window is None else jnp.maximum(length - window, 0)
     window_page = (window_start // block_size) // pages_per_compute_block * pages_per_compute_block
-    split_pages = (cdiv(cdiv(jnp.maximum(length_pages - window_page, 0), num_splits),
-                         pages_per_compute_block) * pages_per_compute_block)
+    live_pages = jnp.maximum(length_pages - window_page, 0)
+    splits_used = num_splits
+    if rope_heads is not None:
+        # One stream's fused kernel: at most 4 splits hold pages until each would get
+        # `ROPE_DECODE_STEPS_PER_SPLIT` loop steps (short contexts, as tuned), then up to the
+        # grid's count: the context decides, not the table's width (`max_model_len` on a GPU).
+        splits_used = jnp.minimum(num_splits, jnp.maximum(
+            ROPE_DECODE_MAX_SPLITS,
+            live_pages // (ROPE_DECODE_STEPS_PER_SPLIT * pages_per_compute_block)))
+    split_pages = (cdiv(cdiv(live_pages, splits_used), pages_per_compute_block)
+                   * pages_per_compute_block)
     first_page = window_page + s * split_pages
     last_page = jnp.minimum(length_pages, first_page + split_pages)
     num_iters = cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
