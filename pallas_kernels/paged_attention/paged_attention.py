@@ -122,9 +122,8 @@ def _decode_kernel(lens_ref, table_ref, q_ref, *refs, block_size: int,
         # One stream's fused kernel: at most 4 splits hold pages until each would get
         # `ROPE_DECODE_STEPS_PER_SPLIT` loop steps (short contexts, as tuned), then up to the
         # grid's count: the context decides, not the table's width (`max_model_len` on a GPU).
-        splits_used = jnp.minimum(num_splits, jnp.maximum(
-            ROPE_DECODE_MAX_SPLITS,
-            live_pages // (ROPE_DECODE_STEPS_PER_SPLIT * pages_per_compute_block)))
+        splits_used = jnp.minimum(num_splits,
+                                  rope_decode_max_splits(live_pages, pages_per_compute_block))
     split_pages = (cdiv(cdiv(live_pages, splits_used), pages_per_compute_block)
                    * pages_per_compute_block)
     first_page = window_page + s * split_pages
@@ -226,12 +225,15 @@ ROPE_DECODE_MAX_SPLITS = 4
 ROPE_DECODE_STEPS_PER_SPLIT = 4
 
 
-def rope_decode_max_splits(max_pages: int, pages_per_compute_block: int) -> int:
-    """The fused decode kernel's split cap for a block table `max_pages` wide: 4 while each
-    split would get fewer than 4 loop steps (one stream at short context), more past that, so
-    long contexts fill the GPU as `paged_attention` does."""
+def rope_decode_max_splits(max_pages, pages_per_compute_block: int):
+    """The fused decode kernel's split cap over `max_pages` pages: 4 while each split would
+    get fewer than 4 loop steps (one stream at short context), more past that, so long
+    contexts fill the GPU as `paged_attention` does. An int for a table's width (the grid);
+    traced for a sequence's own pages inside the kernel (the splits that hold pages)."""
     long_cap = max_pages // (ROPE_DECODE_STEPS_PER_SPLIT * pages_per_compute_block)
-    return max(ROPE_DECODE_MAX_SPLITS, long_cap)
+    if isinstance(long_cap, int):
+        return max(ROPE_DECODE_MAX_SPLITS, long_cap)
+    return jnp.maximum(ROPE_DECODE_MAX_SPLITS, long_cap)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_pages: int,
