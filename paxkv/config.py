@@ -503,7 +503,9 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
         token_buckets=pow2_buckets(min_tokens, max(min_tokens, sched.max_num_batched_tokens)),
         seq_buckets=pow2_buckets(min_seqs, max(min_seqs, sched.max_num_seqs)),
         block_buckets=(max_blocks,) if on_gpu else pow2_buckets(4, max(4, max_blocks)),
-        row_buckets=pow2_buckets(4, max(4, sched.max_num_seqs * 4)),
+        # A prefill or mixed step samples up to `mixed_step_row_floor` rows, at most the
+        # largest sequence bucket, which can pass 4 x max_num_seqs (8 slots for max_num_seqs=1).
+        row_buckets=pow2_buckets(4, max(4, min_seqs, sched.max_num_seqs * 4)),
         copy_buckets=pow2_buckets(4, max(4, num_blocks)),
         tensor_parallel_size=engine.tensor_parallel_size,
         num_offload_blocks=cache.num_offload_blocks if sized else 0)

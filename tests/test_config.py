@@ -43,6 +43,19 @@ def test_gpu_settings_fixed_shapes_and_8bit_pages():
     assert rc.row_buckets[-1] == 1024
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 256])
+def test_gpu_row_buckets_hold_a_mixed_steps_rows(max_num_seqs):
+    """On fixed shapes a prefill samples `mixed_step_row_floor` rows, padded to the largest
+    sequence bucket: one stream (max_num_seqs=1) pads to 8 slots, which the row buckets hold."""
+    from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
+    engine = _engine(CacheConfig(block_size=16), SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=2048), dtype="auto")
+    rc = runner_config(engine.with_pool(4096), platform="gpu")
+    for tokens in rc.token_buckets:
+        floor = mixed_step_row_floor(tokens, rc.seq_buckets[-1])
+        assert pick_bucket(max(1, floor, max_num_seqs), rc.row_buckets) >= floor
+
+
 def test_explicit_choices_win_over_the_platform():
     engine = _engine(CacheConfig(kv_cache_dtype="int8"), dtype="float32",
                      attention_backend="reference").with_pool(200)
