@@ -194,6 +194,9 @@ def gguf_hf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    # Newer converters also return some of the special tokens: the file's own values win,
+    # theirs fill what the file leaves unset.
+    kwargs = {**extra, **{k: v for k, v in config.items() if v is not None or k not in extra}}
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return hf, () if eos is None else (int(eos),)
