@@ -46,6 +46,7 @@ flags.DEFINE_enum("output_kind", "delta", ["delta", "cumulative"],
                   "with --server_outputs: the RequestOutputKind of the streamed requests")
 flags.DEFINE_bool("device", False, "run on the real runner and device instead of the stub")
 flags.DEFINE_string("model", "llama3-8b", "with --device: the preset (random weights)")
+flags.DEFINE_integer("max_model_len", 2048, "longest sequence (the block tables' width on a GPU)")
 flags.DEFINE_integer("cprofile", 0, "print this many functions by own time over the timed steps")
 flags.DEFINE_integer("back_to_back", 50, "with --device: repetitions of the last step's program")
 
@@ -105,11 +106,13 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.device:
         from paxkv import LLM
-        engine = LLM(FLAGS.model, tokenizer=None, max_num_seqs=FLAGS.batch, max_model_len=2048,
+        engine = LLM(FLAGS.model, tokenizer=None, max_num_seqs=FLAGS.batch,
+                     max_model_len=FLAGS.max_model_len,
                      num_scheduler_steps=FLAGS.num_scheduler_steps).llm_engine
     else:
         cfg = PRESETS["llama3-8b"]
-        sched = SchedulerConfig(max_num_seqs=FLAGS.batch, max_num_batched_tokens=8192, max_model_len=2048)
+        sched = SchedulerConfig(max_num_seqs=FLAGS.batch, max_num_batched_tokens=8192,
+                                max_model_len=FLAGS.max_model_len)
         config = EngineConfig(cfg, CacheConfig(block_size=16, num_gpu_blocks_override=40000), sched,
                               num_scheduler_steps=FLAGS.num_scheduler_steps).with_pool(40000)
         engine = LLMEngine(config, StubRunner(runner_config(config, platform="gpu")), None)
