@@ -6,8 +6,11 @@ each other.
    its projections into the serving layout, load its tokenizer.
 3. Derive the configs: batch limits from the device, `EngineConfig` (every cross-config
    check), `runner_config` (dtypes, backend, shape buckets).
-4. Size the KV pool from what the weights and a profile step leave, and the host swap pool.
-5. Build the runner (and precompile its programs), then the engine around it.
+4. Load a draft model's weights (speculative `draft_model`), then size the KV pool from
+   what the weights and a profile step leave (a block costs the target's bytes plus the
+   draft's), and the host swap pool.
+5. Build the runner (and precompile its programs), the draft model's runner over its own
+   pool of the same blocks, then the engine around them.
 
 `LLM(...)` is a thin facade over `build_engine`; `paxkv serve` builds its engine the same way.
 """
@@ -58,9 +61,17 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         from paxkv.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(path) if path is not None else None
     config = engine_config(args, cfg, dtype, platform)
-    config = size_pools(config, params, mesh, platform, multi_process)
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        draft = load_draft(args, config, dtype, multi_process)
+    config = size_pools(config, params, mesh, platform, multi_process,
+                        draft_config=draft[0] if draft else None)
     runner = make_runner(args, config, params, mesh, platform, multi_process)
-    return BuiltEngine(LLMEngine(config, runner, tokenizer), tokenizer, config, cache_dir)
+    proposer = None
+    if draft is not None:
+        proposer = make_draft_proposer(config, *draft, platform)
+    return BuiltEngine(LLMEngine(config, runner, tokenizer, proposer), tokenizer, config,
+                       cache_dir)
 
 
 def _join_hosts(args: EngineArgs) -> None:
@@ -175,12 +186,60 @@ def engine_config(args: EngineArgs, cfg: ModelConfig, dtype: str, platform: str)
                         speculative=parse_speculative_config(args.speculative_config))
 
 
+def load_draft(args: EngineArgs, config: EngineConfig, dtype: str, multi_process: bool
+               ) -> tuple[EngineConfig, Any, Any]:
+    """The draft model of `speculative_config.model`: (its engine config, the target's with
+    the draft's model, unsized; its params; its mesh). It must share the target's vocabulary
+    and fit `max_model_len`, in one KV group (no sliding windows), on one process."""
+    from paxkv.cache.kv_layout import kv_layout
+    spec = config.speculative
+    if multi_process:
+        raise ValueError("speculative_config.method 'draft_model' runs on one host only")
+    try:       # the draft's config first (cheap), its weights once it passes the checks
+        path, cfg = resolve_model(spec.model)
+        if cfg is None:
+            from paxkv.model.weights import checkpoint_config
+            cfg = checkpoint_config(path)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    target = config.model
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
+                         f"{cfg.vocab_size} tokens, the target {target.vocab_size}: a draft "
+                         f"model shares the target's tokenizer")
+    if kv_layout(cfg).windows() != (None,):
+        raise ValueError(f"speculative_config.model {spec.model!r} has sliding-window layers; "
+                         f"a draft model reads the target's block tables, one KV group")
+    if config.scheduler.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"speculative_config.model {spec.model!r} holds "
+                         f"{cfg.max_position_embeddings} positions, less than max_model_len "
+                         f"{config.scheduler.max_model_len}")
+    draft_args = dataclasses.replace(args, model=spec.model, params=None, speculative_config=None)
+    _, cfg, params, mesh = load_weights(draft_args, dtype, multi_process)
+    return dataclasses.replace(config, model=cfg, speculative=None), params, mesh
+
+
+def make_draft_proposer(config: EngineConfig, draft_config: EngineConfig, params: Any,
+                        mesh: Any, platform: str) -> Any:
+    """The draft model's runner over a pool of the target's sized block count, in its
+    proposer."""
+    from paxkv.runner import Runner
+    from paxkv.spec_decode.proposers import DraftModelProposer
+    sized = draft_config.with_pool(config.cache.num_gpu_blocks)
+    runner = Runner(params, runner_config(sized, platform), mesh)
+    sched = config.scheduler
+    return DraftModelProposer(runner, sched.max_num_batched_tokens, sched.max_num_seqs)
+
+
 def size_pools(config: EngineConfig, params: Any, mesh: Any, platform: str,
-               multi_process: bool) -> EngineConfig:
-    """`config` with its KV pool sized (`runner/memory.py`) and its host swap pool."""
+               multi_process: bool, draft_config: EngineConfig | None = None) -> EngineConfig:
+    """`config` with its KV pool sized (`runner/memory.py`) and its host swap pool. With a
+    draft model (already loaded, its weights counted as in use) each block also holds the
+    draft's pages."""
     from paxkv.runner.memory import block_bytes_per_device, num_kv_blocks, num_swap_blocks
     profile = runner_config(config, platform)   # the pool not sized yet
-    num_blocks = num_kv_blocks(config.cache, params, profile, mesh)
+    extra = block_bytes_per_device(runner_config(draft_config, platform)) if draft_config else 0
+    num_blocks = num_kv_blocks(config.cache, params, profile, mesh, extra_block_bytes=extra)
     if multi_process:   # every process must build the same pool: process 0's measure
         from paxkv.parallel import multihost
         num_blocks = multihost.agree(num_blocks)

@@ -1,7 +1,12 @@
-"""Speculative decoding in the engine (`speculative_config={"method": "ngram", ...}`): greedy
-outputs equal to the engine without it, also under preemption, chunked prefill and prefix
-caching; with `batch_invariant` tokens and logprobs bitwise equal; sampled logprobs are the
-target's (the trainer's function); seeded requests reproducible; no block left behind.
+"""Speculative decoding in the engine (`speculative_config={"method": "ngram" or
+"draft_model", ...}`): greedy outputs equal to the engine without it, also under preemption,
+chunked prefill and prefix caching; with `batch_invariant` tokens and logprobs bitwise equal;
+sampled logprobs are the target's (the trainer's function); seeded requests reproducible; no
+block left behind.
+
+The draft models: the target itself ("tiny" drafting for "tiny": its greedy drafts are the
+target's own greedy tokens, so nearly all are kept) and a random model of the same shape
+(almost none kept): both ends of the acceptance range.
 """
 from __future__ import annotations
 
@@ -18,14 +23,19 @@ from paxkv.model.dense import token_logprobs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
+SELF_DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4}
+RANDOM_DRAFT = {"method": "draft_model", "model": "tiny-random", "num_speculative_tokens": 3}
+SPECS = {"ngram": NGRAM, "self_draft": SELF_DRAFT, "random_draft": RANDOM_DRAFT}
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=120)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _llm(spec: bool, **overrides) -> LLM:
+def _llm(spec: bool | str, **overrides) -> LLM:
+    """The engine without speculation (False), with n-gram (True) or with `SPECS[spec]`."""
     kwargs = {**ENGINE, **dict(overrides)}
-    return LLM("tiny", speculative_config=NGRAM if spec else None, **kwargs)
+    config = SPECS[spec] if isinstance(spec, str) else (NGRAM if spec else None)
+    return LLM("tiny", speculative_config=config, **kwargs)
 
 
 def _prompts() -> list:
@@ -52,6 +62,30 @@ def test_greedy_equals_no_speculation_and_drafts_are_kept():
     assert_no_leaks(spec)
 
 
+@pytest.mark.parametrize("spec, least_kept", [("self_draft", 60), ("random_draft", 0)])
+def test_draft_model_greedy_equals_no_speculation(spec, least_kept):
+    """A draft model over the target's block tables, in its own pool: greedy tokens equal
+    the engine without speculation whether it drafts well (itself) or badly (random)."""
+    llm = _llm(spec)
+    m = llm.llm_engine.metrics
+    drafted, kept = m.spec_decode_num_draft_tokens, m.spec_decode_num_accepted_tokens
+    assert _tokens(llm, _prompts()) == _tokens(_llm(False), _prompts())
+    assert m.spec_decode_num_draft_tokens - drafted > 60
+    assert m.spec_decode_num_accepted_tokens - kept >= least_kept
+    proposer = llm.llm_engine.proposer
+    assert proposer.runner.kv_pool is not None and proposer.num_draft_steps > 0
+    assert_no_leaks(llm)
+
+
+def test_draft_model_errors_name_the_key():
+    with pytest.raises(ValueError, match="speculative_config.model.*vocabulary"):
+        LLM("tiny", speculative_config={"method": "draft_model", "model": "llama3-8b",
+                                        "num_speculative_tokens": 2}, **ENGINE)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM("tiny", speculative_config={"method": "draft_model", "model": "no-such-model",
+                                        "num_speculative_tokens": 2}, **ENGINE)
+
+
 def test_metrics_under_vllms_names_and_in_prometheus():
     """`llm.metrics.spec_decode_*` (vLLM's names), the rate and mean acceptance length in the
     summary, and the server's `paxkv:spec_decode_*` counters taken from the engine."""
@@ -76,14 +110,18 @@ def test_metrics_under_vllms_names_and_in_prometheus():
 
 
 @pytest.mark.slow
-def test_preemption_chunked_prefill_and_prefix_cache():
-    """A pool of 16 blocks for six sequences of up to 120 tokens (preemption by recompute),
-    prompts in chunks of 32, and a second round that hits the prefix cache."""
-    kw = dict(num_gpu_blocks_override=16, max_num_batched_tokens=32, max_model_len=128)
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_chunked_prefill_and_prefix_cache(method, preemption_mode):
+    """A pool of 16 blocks for six sequences of up to 120 tokens (preemption), prompts in
+    chunks of 32, and a second round that hits the prefix cache. A draft model recomputes
+    its KV after either kind of preemption (only the target's pool is swapped)."""
+    kw = dict(num_gpu_blocks_override=16, max_num_batched_tokens=32, max_model_len=128,
+              preemption_mode=preemption_mode, swap_space=0.01)
     prompts = _prompts()
     sp = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
     want = _tokens(_llm(False, **kw), prompts, sp)
-    spec = _llm(True, **kw)
+    spec = _llm(method, **kw)
     assert _tokens(spec, prompts, sp) == want
     assert _tokens(spec, prompts, sp) == want             # prefix-cache hits this time
     assert sum(s.num_preemptions for s in spec.llm_engine.metrics.steps) > 0

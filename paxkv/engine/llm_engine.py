@@ -83,9 +83,12 @@ def check_request(validator: RequestValidator, features: RequestFeatures, prompt
 class LLMEngine:
     """Step-wise engine: add_request, step, abort_request, has_unfinished_requests."""
 
-    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None) -> None:
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None,
+                 proposer: Any = None) -> None:
         """`config` with its pool sized (`EngineConfig.with_pool`): the block manager and
-        the scheduler are built from its cache and scheduler configs."""
+        the scheduler are built from its cache and scheduler configs. `proposer`: the
+        speculative proposer (`spec_decode.proposers`) when it needs more than the config
+        (a draft model's runner); else it is made from `config.speculative`."""
         self.config = config
         self.model_config: ModelConfig = config.model
         self.runner = runner
@@ -110,8 +113,12 @@ class LLMEngine:
         # Speculative decoding proposes from the sequence's newest tokens, so each step is
         # read back before the next is scheduled.
         self.speculative = getattr(config, "speculative", None)
+        self.proposer = proposer
         if self.speculative is not None:
             self.async_scheduling = False
+            if proposer is None:
+                from paxkv.spec_decode.proposers import make_proposer
+                self.proposer = make_proposer(self.speculative)
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -333,7 +340,7 @@ class LLMEngine:
             self.runner.offload(out.blocks_to_offload)
         self.runner.swap_out(out.blocks_to_swap_out)
         self.runner.swap_in(out.blocks_to_swap_in)
-        self.runner.copy_blocks(out.blocks_to_copy)
+        self._copy_blocks(out.blocks_to_copy)
         if out.blocks_to_load:
             self.runner.load(out.blocks_to_load)
         k = self._multi_step_count(out)
@@ -436,10 +443,10 @@ class LLMEngine:
                 or out.blocks_to_swap_in or out.blocks_to_swap_out
                 or self.kv_layout.windows() != (None,)):
             return None
-        from paxkv.spec_decode.ngram import propose_ngram
+        proposer = self.proposer
         owner = self._owner
         budget = self.config.scheduler.max_num_batched_tokens - len(out.chunks)
-        drafts, total = [], 0
+        seqs, rooms, drafts, total = [], [], [], 0
         for c in out.chunks:
             seq = c.seq
             req = owner[seq.seq_id][0]
@@ -449,23 +456,34 @@ class LLMEngine:
                     or req.features is not None or (p.logprobs or 0) > 0
                     or n_out < p.min_tokens or isinstance(req, BeamRequest)):
                 return None
-            room = min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids),
-                       p.max_tokens - n_out - 1, budget - total)
-            d = (propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                 if room > 0 else [])
-            drafts.append(d)
-            total += len(d)
+            room = max(0, min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids),
+                              p.max_tokens - n_out - 1, budget - total))
+            if proposer.fills_room:      # a draft model: drafts fill the room, proposed below
+                total += room
+            else:                        # n-gram: reserve only what it proposes
+                drafts += proposer.propose([seq], [room])
+                total += len(drafts[-1])
+            seqs.append(seq)
+            rooms.append(room)
         if not total:
             return None
-        plan = [(c.seq, 1 + len(d)) for c, d in zip(out.chunks, drafts)]
-        copies = self.block_manager.allocate_slots(plan)
+        lengths = rooms if proposer.fills_room else [len(d) for d in drafts]
+        copies = self.block_manager.allocate_slots([(s, 1 + n) for s, n in zip(seqs, lengths)])
         offloads, _ = self.block_manager.take_tier_copies()
         if offloads:
             self.runner.offload(offloads)
         if copies is None:
             return None
-        self.runner.copy_blocks(copies)
+        self._copy_blocks(copies)
+        if proposer.fills_room:          # its KV goes into the slots just reserved
+            drafts = proposer.propose(seqs, rooms)
         return drafts
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write in the target's pool, and in a draft model's (same block ids)."""
+        self.runner.copy_blocks(pairs)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(pairs)
 
     def _dispatch_verify(self, out: SchedulerOutput, drafts: list[list[int]]) -> _StepInFlight:
         """A verify step: each sequence's last token and its drafts, one sampling row each."""
@@ -508,6 +526,7 @@ class LLMEngine:
                     ended.add(req.request_id)
         for seq in step.row_seqs:
             if seq.seq_id in owner and not seq.status.is_finished():
+                self.proposer.on_verified(seq)
                 self.block_manager.trim(seq, len(seq.token_ids))
         self._finish_touched(touched, ended, changed, only_finished)
 
@@ -520,7 +539,7 @@ class LLMEngine:
             self.runner.offload(offloads)
         if copies is None:
             return False
-        self.runner.copy_blocks(copies)
+        self._copy_blocks(copies)
         return True
 
     # ---- reading a step back -----------------------------------------------------------------

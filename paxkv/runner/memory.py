@@ -91,10 +91,12 @@ def largest_weight_bytes(params: Any) -> int:
     return largest
 
 
-def num_kv_blocks(cache: CacheConfig, params: Any, profile: RunnerConfig, mesh: Any = None) -> int:
+def num_kv_blocks(cache: CacheConfig, params: Any, profile: RunnerConfig, mesh: Any = None,
+                  extra_block_bytes: int = 0) -> int:
     """Override, else profile the accelerator once (weights + the largest step's
     activations, as vLLM does) and give the KV pool the rest, else the CPU default.
-    `profile` is the runner config before sizing (`runner_config` of the unsized engine)."""
+    `profile` is the runner config before sizing (`runner_config` of the unsized engine);
+    `extra_block_bytes`: what each block also costs elsewhere (a draft model's pages)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     stats = device_memory_stats()
@@ -103,7 +105,8 @@ def num_kv_blocks(cache: CacheConfig, params: Any, profile: RunnerConfig, mesh: 
     activations = profile_activation_bytes(profile, params, mesh)
     stats = device_memory_stats()
     return blocks_for_budget(stats["bytes_limit"], stats.get("bytes_in_use", 0), activations,
-                             cache.gpu_memory_utilization, block_bytes_per_device(profile),
+                             cache.gpu_memory_utilization,
+                             block_bytes_per_device(profile) + extra_block_bytes,
                              reserve=AUTOTUNE_RESERVE_WEIGHTS * largest_weight_bytes(params))
 
 

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any, Mapping
 
 METHODS = ("ngram", "draft_model", "eagle")
-IMPLEMENTED_METHODS = ("ngram",)   # the engine runs these (docs/speculative_decoding.md)
+IMPLEMENTED_METHODS = ("ngram", "draft_model")   # the engine runs these (docs/speculative_decoding.md)
 MAX_SPECULATIVE_TOKENS = 16
 
 
