@@ -5,6 +5,10 @@ the same run.
 - One stream: the ChatML prompt of one question, 512 greedy tokens (EOS ignored).
 - Concurrent chats: `--num_chats` conversations (32 questions x 8 system prompts), sampled
   (temperature 0.7, top-p 0.95, one seed each), up to 256 tokens, ending at the model's EOS.
+  Run twice: the first compiles the step shapes of every batch size on the way (its wall
+  time is reported as cold), the second, other seeds, is the figure.
+- Speculation on a copy-with-edits prompt: n-gram lookup, and with `--draft_model` a draft
+  model, each against the same prompt without speculation.
 
     PYTHONPATH=. python3 scripts/bench_real_model.py --out_dir DIR             # GPU
     PYTHONPATH=. python3 scripts/bench_real_model.py --num_chats 8 --stream_tokens 32 \
@@ -26,6 +30,9 @@ flags.DEFINE_integer("stream_tokens", 512, "tokens of the one-stream run")
 flags.DEFINE_integer("num_chats", 256, "concurrent conversations")
 flags.DEFINE_integer("chat_tokens", 256, "most tokens per chat answer")
 flags.DEFINE_integer("ngram_k", 4, "draft tokens of the n-gram speculation row (0: skip it)")
+flags.DEFINE_string("draft_model", "", "also speculate on the copy-with-edits prompt with this "
+                    "draft model ('self': the model drafting for itself, the acceptance upper "
+                    "bound at full draft cost); '' skips the row")
 flags.DEFINE_string("out_dir", "scratch/real_model", "where the json, markdown and png go")
 
 # A prompt whose answer repeats it: n-gram speculation's case (editing, rewriting).
@@ -96,49 +103,66 @@ def main(argv):
     stream = one_stream(llm, QUESTIONS[0], sp)
     stream["roofline_share"] = stream["decode_tok_s"] / roofline
     stream.pop("token_ids")
-    if FLAGS.ngram_k:      # the speculation row's baseline, on this engine
+    greedy = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
+                      SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0]
+    stream["greedy_answer"] = greedy.outputs[0].text
+    if FLAGS.ngram_k or FLAGS.draft_model:      # the speculation rows' baseline, on this engine
         edit_sp = SamplingParams(temperature=0.0, max_tokens=160)
         edit_plain = one_stream(llm, EDIT, edit_sp)
 
     # Concurrent chats.
     convs = conversations(FLAGS.num_chats)
-    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=i, max_tokens=FLAGS.chat_tokens)
-              for i in range(len(convs))]
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, params, use_tqdm=True)
-    wall = time.perf_counter() - t0
+    cold_wall = 0.0
+    for round_ in range(2):     # the first compiles; the second, other seeds, is timed
+        params = [SamplingParams(temperature=0.7, top_p=0.95, seed=i + round_ * len(convs),
+                                 max_tokens=FLAGS.chat_tokens) for i in range(len(convs))]
+        t0 = time.perf_counter()
+        outs = llm.chat(convs, params, use_tqdm=True)
+        wall = time.perf_counter() - t0
+        cold_wall = cold_wall or wall
     lens = [len(o.outputs[0].token_ids) for o in outs]
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    chats = {"num_chats": len(outs), "wall_s": wall, "output_tokens": int(sum(lens)),
+    chats = {"num_chats": len(outs), "wall_s": wall, "cold_wall_s": cold_wall,
+             "output_tokens": int(sum(lens)),
              "output_tok_s": sum(lens) / wall, "requests_s": len(outs) / wall,
              "mean_output_len": float(np.mean(lens)),
              "stopped_at_eos": sum(o.outputs[0].finish_reason == "stop" for o in outs),
              "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
              "sample": {"question": QUESTIONS[0], "answer": outs[0].outputs[0].text}}
     rows_spec = []
-    spec = None
+    spec = {}
+    methods = []
     if FLAGS.ngram_k:
+        methods.append(("n-gram", {"method": "ngram", "num_speculative_tokens": FLAGS.ngram_k,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+    if FLAGS.draft_model:
+        draft = FLAGS.model if FLAGS.draft_model == "self" else FLAGS.draft_model
+        methods.append((f"draft model ({FLAGS.draft_model})",
+                        {"method": "draft_model", "model": draft,
+                         "num_speculative_tokens": FLAGS.ngram_k or 4}))
+    if methods:
+        plain_ids = edit_plain.pop("token_ids")
+        rows_spec = [[f"one stream, copy-with-edits prompt, greedy, {edit_plain['tokens']} tokens",
+                      f"{edit_plain['decode_tok_s']:.0f}", "-", "no speculation"]]
+    for label, config in methods:
         llm.shutdown()
         del llm
-        llm = LLM(FLAGS.model, max_num_seqs=8, speculative_config={
-            "method": "ngram", "num_speculative_tokens": FLAGS.ngram_k,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+        llm = LLM(FLAGS.model, max_num_seqs=8, speculative_config=config)
         llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8), use_tqdm=False)
         llm.metrics.reset()
         edit_spec = one_stream(llm, EDIT, edit_sp)
         summary = llm.metrics.summary()
-        same = edit_spec.pop("token_ids") == edit_plain.pop("token_ids")
-        spec = {"k": FLAGS.ngram_k, "plain": edit_plain, "speculative": edit_spec,
-                "same_tokens": same,
-                "mean_acceptance_length": summary.get("spec_decode_mean_acceptance_length"),
-                "acceptance_rate": summary.get("spec_decode_acceptance_rate"),
-                "speedup": edit_spec["decode_tok_s"] / edit_plain["decode_tok_s"]}
-        rows_spec = [[f"one stream, copy-with-edits prompt, greedy, {edit_plain['tokens']} tokens",
-                      f"{edit_plain['decode_tok_s']:.0f}", "-", "no speculation"],
-                     [f"the same, n-gram speculation k = {FLAGS.ngram_k}",
-                      f"{edit_spec['decode_tok_s']:.0f}", "-",
-                      f"{spec['speedup']:.2f}x; {spec['mean_acceptance_length'] or 0:.2f} tokens "
-                      f"per verify step; outputs {'equal' if spec['same_tokens'] else 'DIFFER'}"]]
+        same = edit_spec.pop("token_ids") == plain_ids
+        spec[label] = {"config": config, "plain": edit_plain, "speculative": edit_spec,
+                       "same_tokens": same,
+                       "mean_acceptance_length": summary.get("spec_decode_mean_acceptance_length"),
+                       "acceptance_rate": summary.get("spec_decode_acceptance_rate"),
+                       "speedup": edit_spec["decode_tok_s"] / edit_plain["decode_tok_s"]}
+        r = spec[label]
+        rows_spec.append([f"the same, {label} k = {config['num_speculative_tokens']}",
+                          f"{edit_spec['decode_tok_s']:.0f}", "-",
+                          f"{r['speedup']:.2f}x; {r['mean_acceptance_length'] or 0:.2f} tokens "
+                          f"per verify step; outputs {'equal' if same else 'DIFFER'}"])
     table = markdown_table(
         ["run", "tok/s", "vs roofline", "other"],
         [["one stream, greedy, {} tokens".format(stream["tokens"]), f"{stream['decode_tok_s']:.0f}",
@@ -146,10 +170,12 @@ def main(argv):
           f"TTFT {1e3 * stream['ttft_s']:.1f} ms"],
          [f"{chats['num_chats']} concurrent chats, sampled", f"{chats['output_tok_s']:.0f}", "-",
           f"{chats['requests_s']:.1f} req/s, mean {chats['mean_output_len']:.0f} tokens, "
-          f"TTFT p50 {chats['ttft_p50_s']:.2f} s"]] + rows_spec)
+          f"TTFT p50 {chats['ttft_p50_s']:.2f} s (cold round {chats['cold_wall_s']:.1f} s, "
+          f"this one {chats['wall_s']:.1f} s)"]] + rows_spec)
     notes = (f"Weights read per token: {weight_bytes / 1e6:.0f} MB (bf16, {cfg.num_params() / 1e6:.0f}M "
              f"parameters, the tied embedding read once by the LM head); copy bandwidth "
-             f"{ceiling:.2f} TB/s, same run. Sample answer to '{QUESTIONS[0]}': "
+             f"{ceiling:.2f} TB/s, same run. '{QUESTIONS[0]}', greedy: "
+             f"{stream['greedy_answer']!r}; one sampled chat answer: "
              f"{chats['sample']['answer']!r}")
     print(table)
     print(notes)
@@ -164,7 +190,7 @@ def main(argv):
                           command=command_line(), hardware=device_hardware(),
                           settings={k: getattr(FLAGS, k) for k in ("model", "stream_tokens",
                                                                    "num_chats", "chat_tokens",
-                                                                   "ngram_k")},
+                                                                   "ngram_k", "draft_model")},
                           results={"bandwidth": bw, "weight_bytes": weight_bytes,
                                    "roofline_tok_s": roofline, "stream": stream, "chats": chats,
                                    "ngram_speculation": spec},
