@@ -5,8 +5,9 @@ the same run.
 - One stream: the ChatML prompt of one question, 512 greedy tokens (EOS ignored).
 - Concurrent chats: `--num_chats` conversations (32 questions x 8 system prompts), sampled
   (temperature 0.7, top-p 0.95, one seed each), up to 256 tokens, ending at the model's EOS.
-  Run twice: the first compiles the step shapes of every batch size on the way (its wall
-  time is reported as cold), the second, other seeds, is the figure.
+  Run three times, other seeds each time: the first compiles the step shapes of every batch
+  size on the way (its wall time is reported as cold), the second those of prefix-cache
+  hits (the same conversations again), the third is the figure.
 - Speculation on a copy-with-edits prompt: n-gram lookup, and with `--draft_model` a draft
   model, each against the same prompt without speculation.
 
@@ -113,7 +114,7 @@ def main(argv):
     # Concurrent chats.
     convs = conversations(FLAGS.num_chats)
     cold_wall = 0.0
-    for round_ in range(2):     # the first compiles; the second, other seeds, is timed
+    for round_ in range(3):     # 1: compiles; 2: compiles the prefix hits' shapes; 3: timed
         params = [SamplingParams(temperature=0.7, top_p=0.95, seed=i + round_ * len(convs),
                                  max_tokens=FLAGS.chat_tokens) for i in range(len(convs))]
         t0 = time.perf_counter()
