@@ -502,13 +502,30 @@ def runner_config(engine: EngineConfig, platform: str) -> RunnerConfig:
         max_model_len=sched.max_model_len, fixed_shapes=on_gpu,
         token_buckets=pow2_buckets(min_tokens, max(min_tokens, sched.max_num_batched_tokens)),
         seq_buckets=pow2_buckets(min_seqs, max(min_seqs, sched.max_num_seqs)),
-        block_buckets=(max_blocks,) if on_gpu else pow2_buckets(4, max(4, max_blocks)),
+        block_buckets=(fixed_block_buckets(max_blocks, cache.block_size) if on_gpu
+                       else pow2_buckets(4, max(4, max_blocks))),
         # A prefill or mixed step samples up to `mixed_step_row_floor` rows, at most the
         # largest sequence bucket, which can pass 4 x max_num_seqs (8 slots for max_num_seqs=1).
         row_buckets=pow2_buckets(4, max(4, min_seqs, sched.max_num_seqs * 4)),
         copy_buckets=pow2_buckets(4, max(4, num_blocks)),
         tensor_parallel_size=engine.tensor_parallel_size,
         num_offload_blocks=cache.num_offload_blocks if sized else 0)
+
+
+# On fixed shapes a block table is `max_model_len` wide, and the decode kernels size their
+# grids from that width (the fused kernel's split count, `rope_decode_max_splits`). Decode
+# steps whose sequences all fit this many tokens get tables this wide instead, the width the
+# decode kernels were tuned at: with `max_model_len=8192` the full width cost one Llama-3-8B
+# stream 3.3% (results/model_seam.md). Prefill and mixed steps keep the full width (one
+# program per token bucket, as before).
+NARROW_DECODE_TOKENS = 2048
+
+
+def fixed_block_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Block-table widths of fixed shapes: the narrow decode width when `max_model_len` is
+    wider, and the full width."""
+    narrow = cdiv(NARROW_DECODE_TOKENS, block_size)
+    return (narrow, max_blocks) if max_blocks > narrow else (max_blocks,)
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -41,6 +41,12 @@ def test_gpu_settings_fixed_shapes_and_8bit_pages():
     assert rc.seq_buckets == (8, 16, 32, 64, 128, 256)
     assert rc.token_buckets == (256, 512, 1024, 2048, 4096, 8192)
     assert rc.row_buckets[-1] == 1024
+    # tables wider than 2,048 tokens: short decode steps get the narrow width too
+    wide = EngineConfig(dataclasses.replace(TINY, max_position_embeddings=8192),
+                        CacheConfig(block_size=16), SchedulerConfig(
+                            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192),
+                        dtype="auto")
+    assert runner_config(wide.with_pool(4096), platform="gpu").block_buckets == (128, 512)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 256])

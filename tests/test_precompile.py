@@ -3,6 +3,7 @@ into running decodes, greedy and sampled) compile nothing, and their outputs equ
 an engine that compiled on demand (the dummy steps touch only the null block)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -22,8 +23,8 @@ def _gpu_layout(llm: LLM):
     return runner_config(llm.config, platform="gpu")
 
 
-def _engine(llm: LLM) -> LLMEngine:
-    runner = Runner(llm.llm_engine.runner.params, _gpu_layout(llm))
+def _engine(llm: LLM, layout=_gpu_layout) -> LLMEngine:
+    runner = Runner(llm.llm_engine.runner.params, layout(llm))
     return LLMEngine(llm.config, runner, llm.tokenizer)
 
 
@@ -58,8 +59,15 @@ def llm():
                compilation_cache_dir=None)
 
 
-def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(llm):
-    config = _gpu_layout(llm)
+def _two_widths(llm: LLM):
+    """The GPU layout with a narrow decode table width below the full one, as an engine with
+    `max_model_len` past `config.NARROW_DECODE_TOKENS` has (here 8 blocks and 16)."""
+    return dataclasses.replace(_gpu_layout(llm), block_buckets=(8, 16))
+
+
+@pytest.mark.parametrize("layout", [_gpu_layout, _two_widths], ids=["one_width", "two_widths"])
+def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(llm, layout):
+    config = layout(llm)
     shapes = reachable_step_shapes(config)
     runner = Runner.__new__(Runner)
     runner._take_shapes(config)
@@ -82,7 +90,10 @@ def test_every_reached_shape_is_listed_and_every_listed_shape_packs_to_itself(ll
             lens[rng.randrange(n)] = rng.randint(2, 200)
             lens = lens if sum(lens) <= config.max_num_batched_tokens else [2]
         sampled = rng.randint(0, len(lens))
-        items = [WorkItem([0] * q, 0, [0] * -(-q // config.block_size)) for q in lens]
+        # decode steps at any context (table width), prefill chunks from position 0
+        starts = [rng.randint(0, 250) if decode else 0 for _ in lens]
+        items = [WorkItem([0] * q, s, [0] * -(-(s + q) // config.block_size))
+                 for q, s in zip(lens, starts)]
         rows = [SampleRow(i) for i in range(sampled)]
         assert key(items, rows) in listed, (lens, sampled)
 
@@ -105,6 +116,28 @@ def test_no_compilation_after_precompile_and_outputs_unchanged(llm):
     unpadded = LLMEngine(llm.config, llm.llm_engine.runner, llm.tokenizer)
     assert not unpadded.runner.fixed_shapes
     assert _staggered(unpadded, seed=5) == want
+
+
+@pytest.mark.slow
+def test_two_table_widths_precompile_and_change_no_output(llm):
+    """Narrow tables for short decode steps, full ones for the rest: every program is
+    precompiled (both widths reached by the workload) and the tokens are those of the
+    one-width layout."""
+    engine = _engine(llm, _two_widths)
+    compiled = engine.runner.precompile(use_tqdm=False)
+    assert compiled == len(SAMPLERS) * len(reachable_step_shapes(engine.runner.config))
+    pack, widths = engine.runner.pack, set()
+
+    def recording_pack(items):
+        batch, decode_only = pack(items)
+        widths.add((decode_only, batch.block_tables.shape[-1]))
+        return batch, decode_only
+
+    engine.runner.pack = recording_pack
+    got = _staggered(engine, seed=5)
+    assert engine.runner.num_compilations == compiled, "a request waited on a compilation"
+    assert widths == {(True, 8), (True, 16), (False, 16)}
+    assert got == _staggered(_engine(llm), seed=5)
 
 
 @pytest.mark.slow

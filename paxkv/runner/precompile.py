@@ -6,9 +6,10 @@ time mix prefill chunks into running decodes and so reach shapes an all-at-once 
 not. `Runner.precompile` walks the list below before the first request instead, the way
 vLLM's TPU backend precompiles its buckets and its GPU backend captures CUDA graphs at start.
 
-Only fixed shapes (the GPU layout: block tables always full width, prefill/mixed steps always
-`max_num_seqs` rows) make the list short: decode steps vary by their sequence and row
-buckets, prefill/mixed steps by their token and row buckets. Rows are one per sequence; steps
+Only fixed shapes (the GPU layout: block tables full width, or narrow for short decode steps;
+prefill/mixed steps always `max_num_seqs` rows) make the list short: decode steps vary by
+their sequence, row and table-width buckets, prefill/mixed steps by their token and row
+buckets. Rows are one per sequence; steps
 that sample several rows per sequence (n > 1 forks, beams) or ask for logprobs, penalties,
 structured outputs or hidden states compile on first use as before.
 """
@@ -30,6 +31,7 @@ class StepShape(NamedTuple):
     decode_only: bool
     num_tokens: int   # tokens of the step (a decode step: one per sequence)
     num_rows: int     # sampled rows
+    table_blocks: int = 1   # a decode step's longest block table (picks the width bucket)
 
 
 def reachable_step_shapes(config: RunnerConfig) -> list[StepShape]:
@@ -41,8 +43,10 @@ def reachable_step_shapes(config: RunnerConfig) -> list[StepShape]:
     seqs, rows, tokens = config.seq_buckets, config.row_buckets, config.token_buckets
     max_seqs = config.max_num_seqs
     shapes: dict[tuple, StepShape] = {}
-    for n in range(1, max_seqs + 1):
-        shapes.setdefault((True, pick_bucket(n, seqs), pick_bucket(n, rows)), StepShape(True, n, n))
+    for width in config.block_buckets:
+        for n in range(1, max_seqs + 1):
+            shapes.setdefault((True, pick_bucket(n, seqs), pick_bucket(n, rows), width),
+                              StepShape(True, n, n, width))
     for t in tokens:
         if -(-t // config.max_model_len) > max_seqs:
             continue   # more tokens than max_num_seqs sequences of max_model_len can hold
@@ -66,12 +70,12 @@ def dummy_step(shape: StepShape, config: RunnerConfig,
     bs = config.block_size
     extra_groups = kv_layout(config.model).num_groups - 1
 
-    def item(q: int) -> WorkItem:
-        table = [NULL_BLOCK] * -(-q // bs)
+    def item(q: int, blocks: int = 0) -> WorkItem:
+        table = [NULL_BLOCK] * max(blocks, -(-q // bs))
         return WorkItem([0] * q, 0, table, None, [table] * extra_groups)
 
     if shape.decode_only:
-        items = [item(1) for _ in range(shape.num_tokens)]
+        items = [item(1, shape.table_blocks) for _ in range(shape.num_tokens)]
     else:
         chunk = min(config.max_model_len, shape.num_tokens)
         items, left = [], shape.num_tokens

@@ -31,6 +31,9 @@ from paxkv.sampling.rows import (pack_item_features, pack_masks, pack_row_featur
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+# A verify step on fixed shapes has at least this many token rows (a power of two): the
+# attention kernels tile query rows in 64s (one Mosaic GPU wgmma tile).
+VERIFY_MIN_TOKENS = 64
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _BLOCK_TABLE = operator.attrgetter("block_table")
 _START = operator.attrgetter("start")
@@ -452,8 +455,14 @@ class Runner:
                 [it.group_tables[g - 1] for it in items]))
         return np.stack(groups)
 
-    def pack(self, items: Sequence[WorkItem]) -> tuple[StepBatch, bool]:
-        """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape."""
+    def pack(self, items: Sequence[WorkItem], tokens_per_seq: int = 0) -> tuple[StepBatch, bool]:
+        """Ragged work -> padded StepBatch arrays (numpy) of a bucketed shape.
+
+        `tokens_per_seq` > 0: a verify step, each item at most that many tokens. On fixed
+        shapes it is padded to its own sequence bucket and that many tokens a sequence (a
+        power of two, at least `VERIFY_MIN_TOKENS`), not to a prefill step's largest
+        sequence bucket and token buckets: one stream's verify step of 5 tokens would
+        otherwise compute 256."""
         bs = self.block_size
         n = len(items)
         # map + attrgetter walk the items in C: generators cost a Python frame per item.
@@ -462,9 +471,11 @@ class Runner:
         q_lens = np.fromiter(map(len, token_lists), np.int32, n)
         decode_only = n > 0 and bool(np.all(q_lens == 1))
         num_seqs = pick_bucket(n, self.seq_buckets)
-        if self.fixed_shapes and not decode_only:
+        if self.fixed_shapes and not decode_only and not tokens_per_seq:
             num_seqs = self.seq_buckets[-1]
-        width = pick_bucket(max(map(len, block_tables)), self.block_buckets)
+        # Fixed shapes: only decode steps pick a table width (`config.fixed_block_buckets`)
+        width = (pick_bucket(max(map(len, block_tables)), self.block_buckets)
+                 if decode_only or not self.fixed_shapes else self.block_buckets[-1])
         tables = self._table_rows_of(num_seqs, width).fill(block_tables)
         grouped = n > 0 and len(items[0].group_tables) > 0
         if grouped:   # several KV groups: [G, S, width] tables, [G, T] slots
@@ -488,7 +499,10 @@ class Runner:
             else:
                 slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
         else:
-            num_tokens = pick_bucket(int(cu[n]), self.token_buckets)
+            if tokens_per_seq and self.fixed_shapes:
+                num_tokens = max(VERIFY_MIN_TOKENS, 1 << (num_seqs * tokens_per_seq - 1).bit_length())
+            else:
+                num_tokens = pick_bucket(int(cu[n]), self.token_buckets)
             tokens = np.zeros(num_tokens, np.int32)
             positions = np.zeros(num_tokens, np.int32)
             slots = np.arange(num_tokens, dtype=np.int32) % bs   # padding -> the null block's slots
@@ -648,7 +662,7 @@ class Runner:
         and its drafts, row r samples it; returns tokens and logprobs `[k + 1, rows]`, -1
         past a row's emitted tokens, as `fetch` gives them."""
         t0 = time.perf_counter()
-        batch, _ = self.pack(items)
+        batch, _ = self.pack(items, tokens_per_seq=num_draft_tokens + 1)
         st, mode, _ = self.pack_sampling(rows)
         pack_s = time.perf_counter() - t0
         inputs, spec = _pack_inputs(batch, st, self.mesh)
