@@ -221,3 +221,40 @@ def test_first_two_tokens_distribution_equals_no_speculation(filters):
     assert m.spec_decode_num_draft_tokens - drafted >= n // 4 and m.spec_decode_num_accepted_tokens - kept >= 50
     tv = 0.5 * sum(abs(plain.get(k, 0) - spec.get(k, 0)) for k in set(plain) | set(spec)) / n
     assert tv < 0.08, tv
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self_draft"])
+def test_verify_steps_on_fixed_shapes_are_packed_to_their_own_size(spec):
+    """The GPU's fixed shapes (run here with the reference attention): a verify step of up to
+    5 tokens for each of at most 8 sequences is 64 token rows, not a prefill step's 256 or
+    more, and greedy output still equals the engine without speculation."""
+    from paxkv.config import runner_config
+    from paxkv.engine.llm_engine import LLMEngine
+    from paxkv.runner import Runner
+    llm = _llm(spec, attention_backend="reference")
+    gpu = runner_config(llm.config, platform="gpu")
+    runner = Runner(llm.llm_engine.runner.params, gpu)
+    engine = LLMEngine(llm.config, runner, llm.tokenizer, llm.llm_engine.proposer)
+    shapes = []
+    pack = runner.pack
+
+    def recording_pack(items, tokens_per_seq=0):
+        batch, decode_only = pack(items, tokens_per_seq)
+        if tokens_per_seq:
+            shapes.append(batch.token_ids.shape[0])
+        return batch, decode_only
+
+    runner.pack = recording_pack
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts()[:3]
+    for i, p in enumerate(prompts):
+        ids = p if isinstance(p, list) else llm.get_tokenizer().encode(p)
+        engine.add_request(str(i), ids, sp)
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = list(o.outputs[0].token_ids)
+    want = _tokens(_llm(False), prompts, sp)
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert shapes and set(shapes) == {64}
