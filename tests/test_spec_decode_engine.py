@@ -86,6 +86,18 @@ def test_draft_model_errors_name_the_key():
                                         "num_speculative_tokens": 2}, **ENGINE)
 
 
+def test_disable_by_batch_size_switches_speculation_off_for_large_batches():
+    """vLLM's `disable_by_batch_size`: 3 sequences speculate under a limit of 4, 6 do not
+    (the 6 at once finish before any of them could drop under it); tokens unchanged."""
+    llm = LLM("tiny", speculative_config={**NGRAM, "disable_by_batch_size": 4}, **ENGINE)
+    prompts = _prompts()
+    m = llm.llm_engine.metrics
+    assert _tokens(llm, prompts) == _tokens(_llm(False), prompts)
+    assert m.spec_decode_num_drafts == 0      # 6 sequences, all the same length of output
+    assert _tokens(llm, prompts[:3]) == _tokens(_llm(False), prompts[:3])
+    assert m.spec_decode_num_drafts > 0
+
+
 def test_metrics_under_vllms_names_and_in_prometheus():
     """`llm.metrics.spec_decode_*` (vLLM's names), the rate and mean acceptance length in the
     summary, and the server's `paxkv:spec_decode_*` counters taken from the engine."""

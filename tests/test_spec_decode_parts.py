@@ -35,6 +35,8 @@ def test_config_takes_vllms_keys():
                                      "prompt_lookup_max": 3}) == SpeculativeConfig("ngram", 4, None, 1, 3)
     assert parse_speculative_config({"model": "smollm2-135m-instruct", "num_speculative_tokens": 2}
                                     ).method == "draft_model"
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                     "disable_by_batch_size": 8}).disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -50,6 +52,8 @@ def test_config_takes_vllms_keys():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel": 1},
      "draft_tensor_parallel"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
 ])
 def test_config_errors_name_the_key(raw, key):
     with pytest.raises(ValueError, match=f"speculative_config.{key}"):

@@ -439,6 +439,8 @@ class LLMEngine:
         no room, or a sequence not eligible (`_multi_step_count`'s conditions, except that
         the sampled token's own logprob, `logprobs=0`, is allowed; one KV group only)."""
         spec = self.speculative
+        if spec.disable_by_batch_size is not None and len(out.chunks) >= spec.disable_by_batch_size:
+            return None
         if (not out.chunks or out.num_prefill_tokens or out.preempted or out.blocks_to_copy
                 or out.blocks_to_swap_in or out.blocks_to_swap_out
                 or self.kv_layout.windows() != (None,)):

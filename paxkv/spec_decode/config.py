@@ -22,6 +22,10 @@ class SpeculativeConfig:
     - `num_speculative_tokens`: tokens proposed per step, k (1..16).
     - `prompt_lookup_min` / `prompt_lookup_max` (ngram): the lengths of the suffix looked up,
       longest first.
+    - `disable_by_batch_size` (vLLM's key): steps with at least this many sequences run
+      without speculation; None: never. A verify step's cost grows with the batch
+      (results/speculative.md: k = 4 at batch 64 costs 2.47x a decode step on an H100), while
+      a large batch already reads the weights for many tokens at once.
     """
 
     method: str
@@ -29,9 +33,11 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
 
 
-_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max"}
+_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+         "disable_by_batch_size"}
 
 
 def _int(raw: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int) -> int:
@@ -68,6 +74,8 @@ def parse_speculative_config(raw: Mapping[str, Any] | SpeculativeConfig | None
         raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
     k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     model = raw.get("model")
+    off_at = (None if raw.get("disable_by_batch_size") is None
+              else _int(raw, "disable_by_batch_size", None, 1, 1 << 20))
     if method == "ngram":
         if model is not None:
             raise ValueError("speculative_config.model is not used by method 'ngram'")
@@ -76,11 +84,11 @@ def parse_speculative_config(raw: Mapping[str, Any] | SpeculativeConfig | None
         if hi < lo:
             raise ValueError(f"speculative_config.prompt_lookup_max ({hi}) must be >= "
                              f"prompt_lookup_min ({lo})")
-        return SpeculativeConfig(method, k, None, lo, hi)
+        return SpeculativeConfig(method, k, None, lo, hi, off_at)
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         if key in raw:
             raise ValueError(f"speculative_config.{key} is used by method 'ngram' only")
     if not isinstance(model, str) or not model:
         raise ValueError(f"speculative_config.model must name the {method} model "
                          f"(a checkpoint, GGUF file or preset), got {model!r}")
-    return SpeculativeConfig(method, k, model)
+    return SpeculativeConfig(method, k, model, disable_by_batch_size=off_at)
