@@ -88,6 +88,24 @@ def test_speculative_decoding_under_tensor_parallelism(checkpoint, kv):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
+def test_draft_model_under_tensor_parallelism(checkpoint):
+    """The draft-model method at TP = 2, the checkpoint drafting for itself (its own pool
+    split by heads too): the tokens of the same run on one device, greedy ones equal to the
+    run without speculation; n = 3 forks copy blocks in both pools."""
+    draft = {"method": "draft_model", "model": checkpoint, "num_speculative_tokens": 3}
+    want = one_device(checkpoint, "draft", speculative_config=draft)
+    plain = one_device(checkpoint, "plain-auto", kv_cache_dtype="auto")
+    assert want["greedy"] == plain["greedy"] and want["again"] == plain["again"]
+    llm = LLM(checkpoint, tensor_parallel_size=2, **llm_kwargs(speculative_config=draft))
+    got = workload(llm, beams=False)
+    assert got == want
+    assert llm.llm_engine.metrics.spec_decode_num_accepted_tokens > 0
+    pool = llm.llm_engine.proposer.runner.kv_pool
+    assert pool.k[0].addressable_shards[0].data.shape[2] == pool.k[0].shape[2] // 2
+    assert_no_leaks(llm)
+
+
 SMALL_POOL = dict(num_gpu_blocks_override=18, swap_space=0.001)
 
 
