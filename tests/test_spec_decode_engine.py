@@ -77,6 +77,17 @@ def test_draft_model_greedy_equals_no_speculation(spec, least_kept):
     assert_no_leaks(llm)
 
 
+def test_draft_model_on_8bit_pools():
+    """Both pools in int8 (the draft's pages quantized like the target's): greedy tokens equal
+    the int8 engine without speculation."""
+    llm = _llm("self_draft", kv_cache_dtype="int8")
+    prompts = _prompts()[:3]
+    assert _tokens(llm, prompts) == _tokens(_llm(False, kv_cache_dtype="int8"), prompts)
+    assert llm.llm_engine.proposer.runner.kv_pool.k_scale is not None
+    assert llm.llm_engine.metrics.spec_decode_num_accepted_tokens > 20
+    assert_no_leaks(llm)
+
+
 def test_draft_model_errors_name_the_key():
     with pytest.raises(ValueError, match="speculative_config.model.*vocabulary"):
         LLM("tiny", speculative_config={"method": "draft_model", "model": "llama3-8b",
