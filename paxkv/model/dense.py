@@ -91,9 +91,12 @@ def _positions(start_pos: int | jax.Array, batch: int, length: int) -> jax.Array
 
 
 def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
-                  cache: DenseCache | None = None,
-                  start_pos: int | jax.Array = 0) -> tuple[jax.Array, DenseCache | None]:
-    """token_ids `[B, T]` -> (logits `[B, T, vocab]` float32, updated cache or None).
+                  cache: DenseCache | None = None, start_pos: int | jax.Array = 0,
+                  hidden_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+    """token_ids `[B, T]` -> (logits `[B, T, vocab]` float32, updated cache or None), and
+    with `hidden_layers` (static) the residual stream at every token, `[B * T,
+    len(hidden_layers), hidden]` float32 (`DecoderLM`'s numbering: `cfg.num_layers` is the
+    final norm's output, the features an EAGLE head reads).
 
     `start_pos` (an int or `[B]` ints) is the position of each row's first token. Without a
     cache the tokens attend causally among themselves only. With one, `start_pos + T` must not
@@ -132,10 +135,12 @@ def dense_forward(params: Any, token_ids: jax.Array, cfg: ModelConfig,
                              f"cfg.num_layers={cfg.num_layers}")
         attention = with_cache
     model = DecoderLM(cfg, params_dtype(params))
-    return model.apply({"params": params}, token_ids, positions, attention, cache)
+    return model.apply({"params": params}, token_ids, positions, attention, cache,
+                       hidden_layers=hidden_layers)
 
 
-dense_forward_jit = jax.jit(dense_forward, static_argnames=("cfg",), donate_argnames=("cache",))
+dense_forward_jit = jax.jit(dense_forward, static_argnames=("cfg", "hidden_layers"),
+                            donate_argnames=("cache",))
 
 
 def token_logprobs(params: Any, token_ids: jax.Array, cfg: ModelConfig) -> jax.Array:
