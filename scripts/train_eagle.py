@@ -2,7 +2,9 @@
 generates itself, with optax, and measure what it would draft.
 
 1. Prompts from Austen passages (the corpus `scripts/prepare_tiny_corpus.py` prepares, its
-   validation split): continue, summarise, rewrite, list the people of a passage.
+   validation split), eight instructions each: continue, summarise, rewrite, list the
+   people, correct (a copy with misspellings), copy line by line, quote and explain, ask
+   and answer questions.
 2. The target answers them greedily through the engine (`LLM.chat`); its features (the
    final norm's output at every position) come from the dense forward.
 3. The head trains on windows of `eagle.WINDOW` positions: smooth L1 on the next feature
@@ -45,7 +47,24 @@ flags.DEFINE_string("out_dir", "scratch/eagle", "where the head, json, markdown 
 INSTRUCTIONS = ["Continue this passage for a few sentences:\n\n{}",
                 "Summarize this passage in two sentences:\n\n{}",
                 "Rewrite this passage in modern English:\n\n{}",
-                "List the people named in this passage and say what each does:\n\n{}"]
+                "List the people named in this passage and say what each does:\n\n{}",
+                "Correct the spelling and grammar of this text:\n\n{typos}",
+                "Copy this passage, putting each sentence on its own line:\n\n{}",
+                "Quote the longest sentence of this passage, then explain it simply:\n\n{}",
+                "Ask three questions about this passage and answer each:\n\n{}"]
+
+
+def with_typos(text: str, seed: int) -> str:
+    """Every eighth word misspelt (two letters swapped): text for a correcting prompt."""
+    import random
+    rng = random.Random(seed)
+    words = text.split(" ")
+    for i in range(rng.randrange(8), len(words), 8):
+        w = words[i]
+        if len(w) > 3:
+            j = rng.randrange(1, len(w) - 2)
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
 
 
 def passages(corpus_dir: str, n: int) -> list[str]:
@@ -131,7 +150,8 @@ def main(argv):
         held_out = {kind: PROMPTS[kind][:1] for kind in PROMPTS}
     else:
         paras = passages(FLAGS.corpus_dir, -(-num_prompts // len(INSTRUCTIONS)))
-        convs = [[{"role": "user", "content": ins.format(p)}] for p in paras for ins in INSTRUCTIONS]
+        convs = [[{"role": "user", "content": ins.format(p, typos=with_typos(p, i))}]
+                 for i, p in enumerate(paras) for ins in INSTRUCTIONS]
         outs = llm.chat(convs[:num_prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                         use_tqdm=True)
         held_out = PROMPTS
@@ -170,8 +190,8 @@ def main(argv):
     opt_state = opt.init(head)
 
     @jax.jit
-    def train_step(head, opt_state, f, t, m, rows):
-        (loss, aux), grads = jax.value_and_grad(eagle.eagle_loss, has_aux=True)(
+    def train_step(head, opt_state, embedding, f, t, m, rows):   # the embedding an argument,
+        (loss, aux), grads = jax.value_and_grad(eagle.eagle_loss, has_aux=True)(  # not a constant
             head, cfg, embedding, f, t, m, rows)
         updates, opt_state = opt.update(grads, opt_state, head)
         return optax.apply_updates(head, updates), opt_state, loss, aux
@@ -179,7 +199,7 @@ def main(argv):
     curve = []
     t_train = time.perf_counter()
     for step in tqdm(range(steps), desc="training"):
-        head, opt_state, loss, aux = train_step(head, opt_state, *batch())
+        head, opt_state, loss, aux = train_step(head, opt_state, embedding, *batch())
         curve.append({"step": step, "loss": float(loss), **{k: float(v) for k, v in aux.items()}})
     train_s = time.perf_counter() - t_train
 
