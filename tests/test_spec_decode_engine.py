@@ -270,14 +270,18 @@ def test_verify_steps_on_fixed_shapes_are_packed_to_their_own_size(spec):
     runner.pack = recording_pack
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = _prompts()[:3]
-    for i, p in enumerate(prompts):
-        ids = p if isinstance(p, list) else llm.get_tokenizer().encode(p)
-        engine.add_request(str(i), ids, sp)
     got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = list(o.outputs[0].token_ids)
+    try:
+        for i, p in enumerate(prompts):
+            ids = p if isinstance(p, list) else llm.get_tokenizer().encode(p)
+            engine.add_request(str(i), ids, sp)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    got[o.request_id] = list(o.outputs[0].token_ids)
+    finally:   # the wrapper holds the runner: drop the cycle so its pool goes with the test
+        del runner.pack
+        runner.release(params=False)
     want = _tokens(_llm(False), prompts, sp)
     assert [got[str(i)] for i in range(len(prompts))] == want
     assert shapes and set(shapes) == {64}
