@@ -224,11 +224,12 @@ def make_draft_proposer(config: EngineConfig, draft_config: EngineConfig, params
     """The draft model's runner over a pool of the target's sized block count, in its
     proposer."""
     from paxkv.runner import Runner
-    from paxkv.spec_decode.proposers import DraftModelProposer
+    from paxkv.spec_decode.proposers import make_proposer
     sized = draft_config.with_pool(config.cache.num_gpu_blocks)
     runner = Runner(params, runner_config(sized, platform), mesh)
     sched = config.scheduler
-    return DraftModelProposer(runner, sched.max_num_batched_tokens, sched.max_num_seqs)
+    return make_proposer(config.speculative, runner, sched.max_num_batched_tokens,
+                         sched.max_num_seqs)
 
 
 def size_pools(config: EngineConfig, params: Any, mesh: Any, platform: str,

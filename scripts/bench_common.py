@@ -266,6 +266,21 @@ def pipelined_ms(dispatch, fetch, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+def dispatched_ms(dispatch, fetch, steps: int, trials: int = 1) -> float:
+    """Device time per step of one step program: after a warm-up call, `steps` dispatches
+    back to back with no host work between and the last one waited for (they run in order
+    on the device); the median over `trials`."""
+    fetch(dispatch())
+    per = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            pending = dispatch()
+        fetch(pending)
+        per.append(1e3 * (time.perf_counter() - t0) / steps)
+    return statistics.median(per)
+
+
 def pipelined_rounds(cases: dict, steps: int, rounds: int, base: str) -> dict:
     """Every case's pipelined time per step, `rounds` times interleaved (`cases`: name ->
     (dispatch, fetch)); median ms and the median over rounds of the round's ratio to `base`

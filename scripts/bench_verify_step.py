@@ -19,9 +19,7 @@ Projections for one stream (batch 1), device time only:
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 from absl import app, flags
 
@@ -40,19 +38,6 @@ flags.DEFINE_bool("smoke", False, "tiny model, two shapes, for the CPU")
 flags.DEFINE_string("out_dir", "scratch/verify_step", "where the json, markdown and png go")
 
 
-def device_ms(dispatch, fetch, steps: int, trials: int) -> float:
-    """Median over trials of the time per step of `steps` back-to-back dispatches."""
-    fetch(dispatch())                       # compile and warm up
-    per = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            pending = dispatch()
-        fetch(pending)
-        per.append(1e3 * (time.perf_counter() - t0) / steps)
-    return statistics.median(per)
-
-
 def main(argv):
     del argv
     import math
@@ -61,6 +46,7 @@ def main(argv):
 
     from experiments.common import command_line, device_hardware, markdown_table, write_results
     from paxkv import LLM
+    from scripts.bench_common import dispatched_ms
     from paxkv.engine.step_io import SampleRow, WorkItem
 
     model = "tiny-random" if FLAGS.smoke else FLAGS.model
@@ -86,10 +72,10 @@ def main(argv):
         rows = [SampleRow(i) for i in range(b)]
         work = items(b, k)
         if k == 0:
-            ms = device_ms(lambda: runner.dispatch(work, rows), runner.fetch, steps, trials)
+            ms = dispatched_ms(lambda: runner.dispatch(work, rows), runner.fetch, steps, trials)
         else:
-            ms = device_ms(lambda: runner.dispatch_verify(work, rows, k), runner.fetch,
-                           steps, trials)
+            ms = dispatched_ms(lambda: runner.dispatch_verify(work, rows, k), runner.fetch,
+                               steps, trials)
         results.append({"batch": b, "k": k, "ms": ms})
         print(results[-1], flush=True)
     plain = {r["batch"]: r["ms"] for r in results if r["k"] == 0}

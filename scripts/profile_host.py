@@ -94,12 +94,8 @@ class StubRunner(Runner):
 def back_to_back_ms(runner: Runner, items, rows) -> float:
     """Device time per step of one step's program: dispatched FLAGS.back_to_back times with
     no engine work between, the last one waited for (they run in order on the device)."""
-    runner.fetch(runner.dispatch(items, rows))
-    t = time.perf_counter()
-    for _ in range(FLAGS.back_to_back):
-        pending = runner.dispatch(items, rows)
-    runner.fetch(pending)
-    return 1e3 * (time.perf_counter() - t) / FLAGS.back_to_back
+    from scripts.bench_common import dispatched_ms
+    return dispatched_ms(lambda: runner.dispatch(items, rows), runner.fetch, FLAGS.back_to_back)
 
 
 def main(argv: list[str]) -> None:

@@ -26,8 +26,8 @@ from paxkv.runner import transfer
 from paxkv.runner.buckets import mixed_step_row_floor, pick_bucket
 from paxkv.runner.table_rows import TableRows
 from paxkv.sampler import SamplingTensors, log_softmax_rows, sample
-from paxkv.sampling.rows import (pack_item_features, pack_masks, pack_row_features, sampling_mode,
-                                 widen_sampling_mode)
+from paxkv.sampling.rows import (bucket, pack_item_features, pack_masks, pack_row_features,
+                                 sampling_mode, widen_sampling_mode)
 
 NUM_BANNED = 8  # width of the per-row banned-token list (min_tokens: eos + stop ids)
 _NO_PROMPT_LOGPROBS = (np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -500,7 +500,7 @@ class Runner:
                 slots[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
         else:
             if tokens_per_seq and self.fixed_shapes:
-                num_tokens = max(VERIFY_MIN_TOKENS, 1 << (num_seqs * tokens_per_seq - 1).bit_length())
+                num_tokens = bucket(num_seqs * tokens_per_seq, VERIFY_MIN_TOKENS)
             else:
                 num_tokens = pick_bucket(int(cu[n]), self.token_buckets)
             tokens = np.zeros(num_tokens, np.int32)

@@ -112,17 +112,20 @@ def draft(params: Any, target: ModelConfig, embedding: jax.Array, features: jax.
     window for each draft (an offline replay: the engine would keep the head's KV)."""
     head = EagleHead(head_config(target))
     w = features.shape[0]
-    real = jnp.arange(w) >= w - num_real
-    pos = jnp.where(real, jnp.arange(w) - (w - num_real), PAD_POSITION).astype(jnp.int32)
+    rows = jnp.arange(w)
+
+    def positions(num_real):   # the real rows 0.., the padding before them out of sight
+        first = w - num_real
+        return jnp.where(rows >= first, rows - first, PAD_POSITION).astype(jnp.int32)
+
     feats, toks, out = features, next_tokens, []
     for _ in range(k):
-        pred = head.apply({"params": params}, feats[None], toks[None], embedding, pos[None])[0, -1]
+        pred = head.apply({"params": params}, feats[None], toks[None], embedding,
+                          positions(num_real)[None])[0, -1]
         d = jnp.argmax(head_logits(pred, embedding)).astype(jnp.int32)
         out.append(d)
         # slide the window one position: the prediction and its draft become the newest row
         feats = jnp.concatenate([feats[1:], pred[None]], 0)
         toks = jnp.concatenate([toks[1:], d[None]], 0)
         num_real = jnp.minimum(num_real + 1, w)
-        real = jnp.arange(w) >= w - num_real
-        pos = jnp.where(real, jnp.arange(w) - (w - num_real), PAD_POSITION).astype(jnp.int32)
     return jnp.stack(out)
