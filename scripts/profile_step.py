@@ -158,7 +158,8 @@ def main(argv):
         llm = LLM(FLAGS.model, max_num_seqs=max(FLAGS.max_num_seqs, max(batches)),
                   max_model_len=FLAGS.max_model_len, attention_backend=FLAGS.attention_backend,
                   tokenizer=None, kv_cache_dtype=kv_dtype, tensor_parallel_size=FLAGS.tensor_parallel_size,
-                  num_gpu_blocks_override=max(batches) * (FLAGS.context // 16 + 40) + FLAGS.max_model_len // 16 + 64)
+                  num_gpu_blocks_override=max(max(batches) * (FLAGS.context // 16 + 40),
+                                                 FLAGS.max_model_len // 16 + 2) + 64)
         runner = llm.llm_engine.runner
         cfg = runner.cfg
         result["backend"] = runner.backend

@@ -5,8 +5,9 @@ Each token's router logits go through a softmax (float32); its `num_experts_per_
 experts are kept, their weights renormalised to sum to one where the family asks
 (`norm_topk_prob`; Mixtral always does). The (token, expert) pairs are then sorted by expert,
 so every expert's tokens are one contiguous run of rows, and each projection is one grouped
-matmul (`jax.lax.ragged_dot`) over the stacked expert weights: an expert no token chose has
-an empty run, and no compute runs over all experts. The rows are unsorted, weighted and
+matmul over the stacked expert weights (`grouped_matmul`: XLA's `ragged_dot`, or on a GPU the
+Pallas kernel where its tuning table says it wins): an expert no token chose has an empty
+run, and no compute runs over all experts. The rows are unsorted, weighted and
 summed per token.
 
 Parameters (per MoE layer, under `layers_{i}/moe`):
@@ -51,11 +52,27 @@ def expert_order(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.A
     return order, counts
 
 
-def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                   backend: str = "auto") -> jax.Array:
     """Rows of `x` `[M, K]`, sorted into runs of `group_sizes` rows, times their expert's
-    `weights[e]` `[K, N]` -> `[M, N]` (XLA's grouped matmul)."""
-    return jax.lax.ragged_dot(x, weights, group_sizes,
-                              preferred_element_type=jnp.float32).astype(x.dtype)
+    `weights[e]` `[K, N]` -> `[M, N]`.
+
+    `backend`: "xla" (`jax.lax.ragged_dot`), "pallas" (`pallas_kernels.grouped_matmul`,
+    which reads only the experts that own rows; interpret mode off the GPU), or "auto": on a
+    GPU the Pallas kernel where its tuning table (`pallas_kernels/grouped_matmul/tuning.py`)
+    has a measured winner for M rows, else XLA."""
+    from pallas_kernels.grouped_matmul import tuning
+    on_gpu = jax.default_backend() == "gpu"
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f"grouped_matmul backend must be auto, xla or pallas, got {backend!r}")
+    tiles = tuning.pick(x.shape[0]) if backend == "auto" and on_gpu else None
+    if backend == "pallas":
+        tiles = tuning.pick(x.shape[0]) or tuning.Tiles()
+    if tiles is None:
+        return jax.lax.ragged_dot(x, weights, group_sizes,
+                                  preferred_element_type=jnp.float32).astype(x.dtype)
+    from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
+    return pallas_grouped_matmul(x, weights, group_sizes, interpret=not on_gpu, **tiles.kwargs())
 
 
 class SparseMoE(nn.Module):
