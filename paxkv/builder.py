@@ -6,11 +6,12 @@ each other.
    its projections into the serving layout, load its tokenizer.
 3. Derive the configs: batch limits from the device, `EngineConfig` (every cross-config
    check), `runner_config` (dtypes, backend, shape buckets).
-4. Load a draft model's weights (speculative `draft_model`), then size the KV pool from
-   what the weights and a profile step leave (a block costs the target's bytes plus the
-   draft's), and the host swap pool.
+4. Load a draft model's weights (speculative `draft_model`) or an EAGLE head (`eagle`),
+   then size the KV pool from what the weights and a profile step leave (a block costs the
+   target's bytes plus the draft's), and the host swap pool.
 5. Build the runner (and precompile its programs), the draft model's runner over its own
-   pool of the same blocks, then the engine around them.
+   pool of the same blocks or the EAGLE drafter over the target's embedding, then the
+   engine around them.
 
 `LLM(...)` is a thin facade over `build_engine`; `paxkv serve` builds its engine the same way.
 """
@@ -61,15 +62,20 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         from paxkv.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(path) if path is not None else None
     config = engine_config(args, cfg, dtype, platform)
-    draft = None
-    if config.speculative is not None and config.speculative.method == "draft_model":
+    draft = head = None
+    method = config.speculative.method if config.speculative is not None else None
+    if method == "draft_model":
         draft = load_draft(args, config, dtype, multi_process)
+    elif method == "eagle":
+        head = load_eagle_head(config, multi_process)
     config = size_pools(config, params, mesh, platform, multi_process,
                         draft_config=draft[0] if draft else None)
     runner = make_runner(args, config, params, mesh, platform, multi_process)
     proposer = None
     if draft is not None:
         proposer = make_draft_proposer(config, *draft, platform)
+    elif head is not None:
+        proposer = make_eagle_proposer(config, head, runner, mesh)
     return BuiltEngine(LLMEngine(config, runner, tokenizer, proposer), tokenizer, config,
                        cache_dir)
 
@@ -230,6 +236,37 @@ def make_draft_proposer(config: EngineConfig, draft_config: EngineConfig, params
     sched = config.scheduler
     return make_proposer(config.speculative, runner, sched.max_num_batched_tokens,
                          sched.max_num_seqs)
+
+
+def load_eagle_head(config: EngineConfig, multi_process: bool) -> Any:
+    """The EAGLE head of `speculative_config.model` (a safetensors file `train_eagle.py`
+    writes), checked against the target: its params. It drafts through the target's tied
+    embedding, one host (under tensor parallelism it runs replicated)."""
+    from paxkv.spec_decode.eagle import load_head
+    spec, target = config.speculative, config.model
+    if multi_process:
+        raise ValueError("speculative_config.method 'eagle' runs on one host only")
+    if not target.tie_word_embeddings:
+        raise ValueError(f"speculative_config.method 'eagle': the head drafts through the "
+                         f"target's tied embedding, and {target.name} has a separate LM head")
+    if not os.path.isfile(spec.model):
+        raise ValueError(f"speculative_config.model {spec.model!r}: no such file (an EAGLE "
+                         f"head's safetensors file, scripts/train_eagle.py)")
+    try:
+        return load_head(spec.model, target)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"speculative_config.model {spec.model!r}: {e}") from None
+
+
+def make_eagle_proposer(config: EngineConfig, head: Any, runner: Any, mesh: Any) -> Any:
+    """The EAGLE drafter (the head over the runner's embedding) in its proposer."""
+    from paxkv.spec_decode.eagle_drafter import EagleDrafter
+    from paxkv.spec_decode.proposers import make_proposer
+    spec, target = config.speculative, config.model
+    drafter = EagleDrafter(head, target, lambda: runner.params["embed_tokens"]["embedding"],
+                           spec.num_speculative_tokens, mesh)
+    return make_proposer(spec, max_num_seqs=config.scheduler.max_num_seqs,
+                         eagle_drafter=drafter, feature_layer=target.num_layers)
 
 
 def size_pools(config: EngineConfig, params: Any, mesh: Any, platform: str,

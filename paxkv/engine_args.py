@@ -42,8 +42,7 @@ class EngineArgs:
       `paxkv.model.dense.token_logprobs` on `llm.model_config` (`model/batch_invariant.py`;
       dense models, unquantized pages; slower: docs/rollouts.md).
     - `speculative_config`: vLLM's dict, e.g. `{"method": "ngram", "num_speculative_tokens":
-      4}` (docs/speculative_decoding.md; "ngram" runs, "draft_model" and "eagle" are refused
-      as not implemented yet).
+      4}` (docs/speculative_decoding.md; "ngram", "draft_model" and "eagle" run).
     - `params`: weights to serve instead of loading or drawing them (any layout).
     - `tokenizer`: "auto" (the checkpoint's), None, or a `paxkv.tokenizer.Tokenizer`.
     """

@@ -226,8 +226,7 @@ def main(argv):
                           "acceptance": acc["kept"] / max(acc["proposed"], 1)}
 
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v, np.float32)
-            for path, v in jax.tree_util.tree_leaves_with_path(head)}
+    flat = eagle.flatten_head(head)
     head_path = os.path.join(FLAGS.out_dir, "eagle_head.safetensors")
     write_safetensors(head_path, flat, {"target": cfg.name, "window": str(w)})
     n_params = sum(int(v.size) for v in flat.values())

@@ -191,7 +191,7 @@ def test_sampled_logprobs_are_the_targets_and_seeds_reproduce():
 
 @pytest.mark.parametrize("config, key", [
     ({"method": "ngram"}, "num_speculative_tokens"),
-    ({"method": "eagle", "model": "head", "num_speculative_tokens": 2}, "method"),
+    ({"method": "medusa", "model": "head", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "k"),
 ])
 def test_bad_speculative_config_names_the_key(config, key):

@@ -68,6 +68,8 @@ class _StepInFlight:
     verify: bool = False              # a speculative verify step (`num_steps` = k + 1)
     placeholder_at: list[int] | None = None   # async: where each row's placeholder sits
     feature_items: list[int] = dataclasses.field(default_factory=list)  # items with features
+    # items returning the proposer's features (EAGLE): (item, position of the first)
+    proposer_items: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def check_request(validator: RequestValidator, features: RequestFeatures, prompt: Prompt,
@@ -119,6 +121,8 @@ class LLMEngine:
             if proposer is None:
                 from paxkv.spec_decode.proposers import make_proposer
                 self.proposer = make_proposer(self.speculative)
+        # An EAGLE proposer reads the target's features: every step returns them to it.
+        self._proposer_features = bool(getattr(self.proposer, "wants_features", False))
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -288,7 +292,7 @@ class LLMEngine:
 
     def _dispatch(self, out: SchedulerOutput, k: int) -> _StepInFlight:
         """Build the step's work items and sampling rows, and queue it on the device."""
-        items, rows, row_seqs, feature_items = [], [], [], []
+        items, rows, row_seqs, feature_items, proposer_items = [], [], [], [], []
         owner = self._owner
         for i, c in enumerate(out.chunks):
             seq = c.seq
@@ -302,6 +306,11 @@ class LLMEngine:
                                                             c.needs_sample)
                 if item_features is not None:
                     feature_items.append(i)
+            elif self._proposer_features and not isinstance(req, BeamRequest):
+                # (requests with features of their own never speculate: no window for them)
+                item_features = self.proposer.item_features(seq, start, c.num_tokens)
+                if item_features is not None:
+                    proposer_items.append((i, start + item_features.hidden_skip))
             items.append(WorkItem(seq.token_ids[start:start + c.num_tokens], start,
                                   seq.block_table, item_features, seq.group_tables))
             if c.needs_sample:
@@ -316,7 +325,8 @@ class LLMEngine:
         else:   # grammar masks are computed while the forward runs
             fill = self.features.fill_masks if self.features.has_pending_masks else None
             pending = self.runner.dispatch(items, rows, fill)
-        return _StepInFlight(pending, rows, row_seqs, out, k, feature_items=feature_items)
+        return _StepInFlight(pending, rows, row_seqs, out, k, feature_items=feature_items,
+                             proposer_items=proposer_items)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
@@ -415,6 +425,8 @@ class LLMEngine:
         k = self.num_scheduler_steps
         if k <= 1 or not out.chunks or out.num_prefill_tokens or out.preempted:
             return 1
+        if self._proposer_features:   # a multi-step call returns no features
+            return 1
         if out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out:
             return 1
         longest = 0
@@ -448,7 +460,7 @@ class LLMEngine:
         proposer = self.proposer
         owner = self._owner
         budget = self.config.scheduler.max_num_batched_tokens - len(out.chunks)
-        seqs, rooms, drafts, total = [], [], [], 0
+        seqs, rooms, total = [], [], 0
         for c in out.chunks:
             seq = c.seq
             req = owner[seq.seq_id][0]
@@ -459,14 +471,17 @@ class LLMEngine:
                     or n_out < p.min_tokens or isinstance(req, BeamRequest)):
                 return None
             room = max(0, min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids),
-                              p.max_tokens - n_out - 1, budget - total))
+                              p.max_tokens - n_out - 1))
             if proposer.fills_room:      # a draft model: drafts fill the room, proposed below
+                room = max(0, min(room, budget - total))
                 total += room
-            else:                        # n-gram: reserve only what it proposes
-                drafts += proposer.propose([seq], [room])
-                total += len(drafts[-1])
             seqs.append(seq)
             rooms.append(room)
+        if not proposer.fills_room:      # n-gram, EAGLE: one call, only what it proposes
+            drafts = proposer.propose(seqs, rooms)   # counts in the budget, in order
+            for i, d in enumerate(drafts):
+                drafts[i] = d = d[:max(0, budget - total)]
+                total += len(d)
         if not total:
             return None
         lengths = rooms if proposer.fills_room else [len(d) for d in drafts]
@@ -501,7 +516,10 @@ class LLMEngine:
         k = self.speculative.num_speculative_tokens
         self.metrics.spec_decode_num_drafts += sum(1 for d in drafts if d)
         self.metrics.spec_decode_num_draft_tokens += sum(map(len, drafts))
-        pending = self.runner.dispatch_verify(items, rows, k)
+        if self._proposer_features:     # and the target's features at every position
+            pending = self.runner.dispatch_verify(items, rows, k, self.proposer.feature_layers)
+        else:
+            pending = self.runner.dispatch_verify(items, rows, k)
         return _StepInFlight(pending, rows, row_seqs, out, k + 1, verify=True)
 
     def _apply_verify(self, step: _StepInFlight, sample: HostSample,
@@ -526,8 +544,12 @@ class LLMEngine:
                     self.metrics.spec_decode_num_accepted_tokens += 1
                 if record(req, seq, tokens[j][i], logprobs[j][i], (), ()):
                     ended.add(req.request_id)
-        for seq in step.row_seqs:
+        for i, seq in enumerate(step.row_seqs):
             if seq.seq_id in owner and not seq.status.is_finished():
+                if sample.hidden is not None:   # the features of the positions that stayed
+                    start = step.sched.chunks[i].start
+                    kept = len(seq.token_ids) - 1 - start
+                    self.proposer.on_features(seq, start, sample.hidden[i, :kept, 0])
                 self.proposer.on_verified(seq)
                 self.block_manager.trim(seq, len(seq.token_ids))
         self._finish_touched(touched, ended, changed, only_finished)
@@ -574,6 +596,8 @@ class LLMEngine:
                 if c.seq.seq_id in self._owner:
                     req = self._owner[c.seq.seq_id][0]
                     self.features.on_item_output(req.features, c.start, i, sample)
+            if step.proposer_items:     # before any fork below: a fork copies the window
+                self._give_proposer_features(step, sample)
         tokens = sample.tokens.tolist()
         logprobs = sample.logprobs.tolist()
         touched: dict[str, EngineRequest] = {}
@@ -614,6 +638,16 @@ class LLMEngine:
                     self._retire(req)
         self._finish_touched(touched, ended, changed, only_finished)
 
+    def _give_proposer_features(self, step: _StepInFlight, sample: HostSample) -> None:
+        """The target's features each item returned for the proposer (EAGLE)."""
+        spans = sample.spans
+        col = spans.hidden_layers.index(self.proposer.feature_layers[0])
+        for i, first in step.proposer_items:
+            seq = step.sched.chunks[i].seq
+            if seq.seq_id in self._owner:
+                at, count = spans.hidden[i]
+                self.proposer.on_features(seq, first, sample.hidden[at:at + count, col])
+
     def _fork_samples(self, req: SamplingRequest, seq: Seq) -> list[Seq]:
         """A request's first token: fork its prompt into best_of samples (seq is sample 0)."""
         children = [self.scheduler.fork(seq, next(self._seq_ids)) for _ in range(req.params.best_of - 1)]
@@ -621,6 +655,8 @@ class LLMEngine:
             req.samples.append(child)
             self._owner[child.seq_id] = (req, j)
             self.features.on_fork(req.features, seq, child)
+            if self._proposer_features:
+                self.proposer.on_fork(seq, child)
         req.forked = True
         return req.samples[:req.params.best_of]
 
@@ -682,3 +718,5 @@ class LLMEngine:
         self._host_sync.pop(req.request_id, None)
         for s in req.samples:
             self._owner.pop(s.seq_id, None)
+            if self._proposer_features:
+                self.proposer.forget(s.seq_id)

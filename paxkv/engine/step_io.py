@@ -51,6 +51,7 @@ class HostSample:
     prompt_top_ids: np.ndarray | None = None       # [P, KP]
     prompt_top_logprobs: np.ndarray | None = None  # [P, KP]
     hidden: np.ndarray | None = None               # [H, len(spans.hidden_layers), hidden]
+    #   (a verify step's: [R, k + 1, layers, hidden], `Runner.dispatch_verify`)
     spans: FeatureSpans | None = None
 
 

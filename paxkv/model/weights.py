@@ -399,6 +399,13 @@ def save_checkpoint(params: Params, cfg: ModelConfig, path: str | os.PathLike) -
 _NUMPY_TO_SAFETENSORS = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, in host memory (`write_safetensors`' reverse)."""
+    header, data_start = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        return {name: _read_tensor(f, name, info, data_start) for name, info in header.items()}
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str] | None = None) -> None:
     """Write host arrays (bfloat16 included, via ml_dtypes) as one safetensors file."""

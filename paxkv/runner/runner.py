@@ -188,20 +188,25 @@ def _verify_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens:
     drafts (up to k = `num_draft_tokens`), sampling row r verifies it. One forward writes
     every token's KV and gives logits at each; `spec_decode.rejection` keeps the drafts the
     target's distribution admits and draws the token after them. Returns tokens and their
-    raw logprobs `[k + 1, rows]` (-1 past a row's emitted tokens) packed in one buffer."""
+    raw logprobs `[k + 1, rows]` (-1 past a row's emitted tokens) packed in one buffer; with
+    `hidden_layers` (an EAGLE proposer's features) also those layers' residual stream at each
+    row's k + 1 positions, `[rows, k + 1, layers, hidden]`, from the same forward."""
     from paxkv.model.forward import forward
     from paxkv.spec_decode.rejection import rejection_sample, target_probs
     p = program
     k = p.num_draft_tokens
     batch, st, _ = _unpack_inputs(inputs, p.spec)
     batch = batch._replace(token_ids=_feed(batch.token_ids, prev_tokens))
-    logits, kv_pool = forward(params, batch, kv_pool, p.cfg, plan=p.plan, all_logits=True,
-                              mesh=p.mesh)                                    # [T, V]
-    num_tokens, vocab = logits.shape
+    num_tokens = batch.token_ids.shape[0]
     item = st.logits_rows                                                     # [R]
     first = batch.cu_q_lens[item]
     count = batch.cu_q_lens[item + 1] - first                                 # 1 + drafts
     at = jnp.minimum(first[:, None] + jnp.arange(k + 1)[None, :], num_tokens - 1)
+    out = forward(params, batch, kv_pool, p.cfg, plan=p.plan, all_logits=True, mesh=p.mesh,
+                  hidden_at=at.reshape(-1) if p.hidden_layers else None,
+                  hidden_layers=p.hidden_layers)
+    logits, kv_pool = out[0], out[1]                                          # [T, V]
+    vocab = logits.shape[1]
     rows = logits[at]                                                         # [R, k + 1, V]
     drafts = batch.token_ids[at[:, 1:]]
     r = item.shape[0]
@@ -216,8 +221,10 @@ def _verify_fn(params: Any, kv_pool: kvp.KVPool, inputs: jax.Array, prev_tokens:
     raw = log_softmax_rows(rows, p.cfg.batch_invariant)
     lp = jnp.take_along_axis(raw, jnp.maximum(res.tokens, 0)[..., None], axis=-1)[..., 0]
     last = jnp.take_along_axis(res.tokens, (res.num_emitted - 1)[:, None], axis=1)[:, 0]
-    return (transfer.pack_device((res.tokens.T, lp.T)), _pad_rows(last, prev_tokens.shape[0]),
-            kv_pool)
+    arrays = (res.tokens.T, lp.T)
+    if p.hidden_layers:
+        arrays += (out[2].reshape(r, k + 1, len(p.hidden_layers), -1),)
+    return transfer.pack_device(arrays), _pad_rows(last, prev_tokens.shape[0]), kv_pool
 
 
 # The step programs: the pool is donated, so XLA updates its pages in place.
@@ -657,25 +664,36 @@ class Runner:
         return self._dispatched(pending)
 
     def dispatch_verify(self, items: Sequence[WorkItem], rows: Sequence[SampleRow],
-                        num_draft_tokens: int) -> "PendingStep":
+                        num_draft_tokens: int, hidden_layers: tuple[int, ...] = ()
+                        ) -> "PendingStep":
         """Queue a speculative verify step (`_verify_fn`): item r is a sequence's last token
         and its drafts, row r samples it; returns tokens and logprobs `[k + 1, rows]`, -1
-        past a row's emitted tokens, as `fetch` gives them."""
+        past a row's emitted tokens, as `fetch` gives them. `hidden_layers` (an EAGLE
+        proposer's `(num_layers,)`): `fetch`'s `hidden` is also those layers' residual
+        stream at each row's k + 1 positions, `[rows, k + 1, layers, hidden]`; none asked,
+        the program is the plain verify step's."""
         t0 = time.perf_counter()
         batch, _ = self.pack(items, tokens_per_seq=num_draft_tokens + 1)
         st, mode, _ = self.pack_sampling(rows)
         pack_s = time.perf_counter() - t0
         inputs, spec = _pack_inputs(batch, st, self.mesh)
+        layers = tuple(hidden_layers)
         program = StepProgram(spec, self.cfg, self.plan, mode, mesh=self.mesh,
-                              num_draft_tokens=num_draft_tokens)
+                              num_draft_tokens=num_draft_tokens, hidden_layers=layers)
         key = (program,)
         new = key not in self.compiled_keys
         out, self._last_tokens, self.kv_pool = _jit_verify(
             self.params, self.kv_pool, inputs, self._last_tokens, program=program)
-        shape = (num_draft_tokens + 1, st.seeds.shape[0])
-        return self._dispatched(PendingStep(out, ((shape, "int32"), (shape, "float32")),
-                                            len(rows), 0, key, new, t0, time.perf_counter(),
-                                            pack_s, multi=True))
+        r = st.seeds.shape[0]
+        shape = (num_draft_tokens + 1, r)
+        out_spec = ((shape, "int32"), (shape, "float32"))
+        if layers:
+            out_spec += (((r, num_draft_tokens + 1, len(layers), self.cfg.hidden_size),
+                          "float32"),)
+        pending = PendingStep(out, out_spec, len(rows), 0, key, new, t0, time.perf_counter(),
+                              pack_s, multi=True)
+        pending.has_hidden = bool(layers)
+        return self._dispatched(pending)
 
     def fetch(self, pending: "PendingStep") -> tuple[HostSample, StepTiming]:
         """Wait for a dispatched step and bring its sampled ids to the host. The timing's
@@ -689,7 +707,8 @@ class Runner:
         if pending.multi:
             n = pending.num_rows
             host = HostSample(arrays[0][:, :n], arrays[1][:, :n],
-                              np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
+                              np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32),
+                              hidden=arrays[2][:n] if pending.has_hidden else None)
         else:
             host = HostSample(*arrays[:7], hidden=arrays[7] if pending.has_hidden else None,
                               spans=pending.spans)

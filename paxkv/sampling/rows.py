@@ -62,6 +62,7 @@ class ItemFeatures(NamedTuple):
     prompt_targets: Sequence[int] = ()      # token at position start + j + 1, for j < len
     hidden: str | None = None               # "last": the sampled position; "all": every token
     hidden_layers: tuple[int, ...] = ()
+    hidden_skip: int = 0                    # "all": from the chunk's token `hidden_skip` on
 
 
 @dataclasses.dataclass
@@ -170,7 +171,7 @@ def pack_item_features(features: Sequence[ItemFeatures | None], cu_q_lens: np.nd
             prompt_spans.append((0, 0))
         if f.hidden is not None:
             layers.update(f.hidden_layers)
-            at = (range(start, int(cu_q_lens[i + 1])) if f.hidden == "all"
+            at = (range(start + f.hidden_skip, int(cu_q_lens[i + 1])) if f.hidden == "all"
                   else [int(logits_indices[i])])
             hidden_spans.append((len(hidden), len(at)))
             hidden.extend(at)

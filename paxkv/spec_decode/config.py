@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any, Mapping
 
 METHODS = ("ngram", "draft_model", "eagle")
-IMPLEMENTED_METHODS = ("ngram", "draft_model")   # the engine runs these (docs/speculative_decoding.md)
+# the methods the engine runs (docs/speculative_decoding.md)
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -18,7 +19,8 @@ class SpeculativeConfig:
 
     - `method`: "ngram" (prompt lookup in the sequence's own tokens), "draft_model" (a
       smaller model with the target's tokenizer: a checkpoint, GGUF file or preset in
-      `model`), or "eagle" (a head drafting from the target's hidden states, in `model`).
+      `model`), or "eagle" (a head drafting from the target's hidden states: its
+      safetensors file, `scripts/train_eagle.py`, in `model`).
     - `num_speculative_tokens`: tokens proposed per step, k (1..16).
     - `prompt_lookup_min` / `prompt_lookup_max` (ngram): the lengths of the suffix looked up,
       longest first.
@@ -89,6 +91,8 @@ def parse_speculative_config(raw: Mapping[str, Any] | SpeculativeConfig | None
         if key in raw:
             raise ValueError(f"speculative_config.{key} is used by method 'ngram' only")
     if not isinstance(model, str) or not model:
+        what = ("an EAGLE head's safetensors file" if method == "eagle"
+                else "a checkpoint, GGUF file or preset")
         raise ValueError(f"speculative_config.model must name the {method} model "
-                         f"(a checkpoint, GGUF file or preset), got {model!r}")
+                         f"({what}), got {model!r}")
     return SpeculativeConfig(method, k, model, disable_by_batch_size=off_at)

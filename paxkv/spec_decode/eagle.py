@@ -10,7 +10,13 @@ its own predictions: `(f_n, x_{n+1}) -> f'_{n+1} -> d_1`, `(f'_{n+1}, d_1) -> f'
 
 Training (`scripts/train_eagle.py`) regresses the predicted feature on the target's (smooth
 L1) and matches the target's next-token distribution through the LM head (cross-entropy,
-weight 0.1), on sequences the target generated itself. Device code: pure JAX functions.
+weight 0.1), on sequences the target generated itself, and saves the head as one safetensors
+file (`flatten_head`'s names; `load_head` reads it back, checked against the target).
+
+The engine (`speculative_config={"method": "eagle", "model": HEAD_FILE, ...}`) keeps each
+sequence's window on the host (`proposers.EagleProposer`) and drafts for a step's sequences
+in one batched call of `draft` (`eagle_drafter.EagleDrafter`). Device code: pure JAX
+functions (and the loader).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paxkv.config import ModelConfig
 from paxkv.model.dense import grouped_attention
@@ -74,6 +81,38 @@ def init_head(target: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> 
     f = jnp.zeros((1, 2, target.hidden_size), dtype)
     return EagleHead(cfg, dtype).init(key, f, jnp.zeros((1, 2), jnp.int32),
                                       jnp.zeros((target.vocab_size, target.hidden_size), dtype))["params"]
+
+
+def _name(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def flatten_head(params: Any) -> dict[str, np.ndarray]:
+    """The head's parameters as the file stores them: `"fc/kernel"`, `"layer/mlp/..."`,
+    float32 host arrays."""
+    return {_name(path): np.asarray(v, np.float32)
+            for path, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def load_head(path: str, target: ModelConfig) -> Any:
+    """The head `flatten_head` saved at `path` (safetensors) -> params for `target`; a
+    ValueError says which tensor is missing, unexpected or of a shape the target does not
+    fit (a head trained for another model)."""
+    from paxkv.model.weights import read_safetensors
+    tensors = read_safetensors(path)
+    shapes = jax.eval_shape(lambda: init_head(target, jax.random.PRNGKey(0)))
+    want = {_name(p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(shapes)}
+    missing = sorted(set(want) - set(tensors))
+    unexpected = sorted(set(tensors) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{path} is not an EAGLE head for {target.name}: tensors missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}")
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                             f"a head for {target.name} needs {shape}")
+    flat = {name: jnp.asarray(np.asarray(tensors[name], np.float32)) for name in want}
+    return jax.tree_util.tree_map_with_path(lambda p, _: flat[_name(p)], shapes)
 
 
 def head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:
