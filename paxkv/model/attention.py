@@ -165,13 +165,19 @@ class PagedAttention:
     def _rotate_and_write(self, qkv: jax.Array, cos: jax.Array, sin: jax.Array, one: KVPool,
                           slot_mapping: jax.Array) -> tuple[jax.Array, KVPool]:
         """RoPE on the packed heads `[T, Hq + 2 Hkv, d]`, k and v into the pages -> (rotated
-        q, pool): one kernel for plain pages (`rope_kv_write`), else jnp and the pool's write."""
-        from pallas_kernels.layer_ops import rope_kv_write
+        q, pool): one kernel where the heads are Triton blocks (`rope_kv_write`, or
+        `rope_kv_write_quantized` for 8-bit pages), else jnp and the pool's write."""
+        from pallas_kernels.layer_ops import rope_kv_write, rope_kv_write_quantized
         from pallas_kernels.layer_ops.rope_kv_write import split_heads, supported
         from paxkv.model.rope import apply_rope
         kv_heads = one.k[0].shape[2]
         q_heads = qkv.shape[-2] - 2 * kv_heads
-        if not one.quantized and supported(q_heads, kv_heads, qkv.shape[-1]):
+        if supported(q_heads, kv_heads, qkv.shape[-1]):
+            if one.quantized:
+                q, nk, nv, nks, nvs = rope_kv_write_quantized(
+                    qkv, cos, sin, slot_mapping, one.k[0], one.v[0], one.k_scale[0],
+                    one.v_scale[0], interpret=self.interpret)
+                return q, one._replace(k=(nk,), v=(nv,), k_scale=(nks,), v_scale=(nvs,))
             q, nk, nv = rope_kv_write(qkv, cos, sin, slot_mapping, one.k[0], one.v[0],
                                       interpret=self.interpret)
             return q, one._replace(k=(nk,), v=(nv,))
