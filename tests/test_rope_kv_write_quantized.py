@@ -258,8 +258,12 @@ def test_fused_plan_on_8bit_pool_writes_through_the_kernel(name, monkeypatch):
     if jax.default_backend() != "gpu":
         for g, w in zip(jax.tree.leaves(got_pool), jax.tree.leaves(want_pool)):
             np.testing.assert_array_equal(bits(g), bits(w))
+        # The pool (the kernel's output) is bit for bit the jnp path's. The logits come from
+        # two differently compiled programs (a Pallas call vs jnp ops XLA may fuse into the
+        # attention that follows), so they agree to float32 rounding, not bitwise (JAX 0.12
+        # fuses the jnp path's query rotation differently).
         for g, w in zip(got_logits, want_logits):
-            np.testing.assert_array_equal(g, w)
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     else:
         k, wk = kvp.read_layer(got_pool, 0), kvp.read_layer(want_pool, 0)
         for g, w in zip(k, wk):
