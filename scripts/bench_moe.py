@@ -101,6 +101,8 @@ def up_projection_rows(bw_tbps: float) -> tuple[list[dict], dict]:
     import jax.numpy as jnp
     import numpy as np
 
+    from tqdm import tqdm
+
     from bench_common import rel_err, time_call
     from pallas_kernels.grouped_matmul import grouped_matmul as pallas_gmm
     from pallas_kernels.grouped_matmul.tuning import CANDIDATES
@@ -130,7 +132,7 @@ def up_projection_rows(bw_tbps: float) -> tuple[list[dict], dict]:
                "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds,
                "tflops": flops / seconds / 1e12, "fraction_of_gemm_rate": flops / seconds / 1e12 / gemm_tflops,
                "pallas": []}
-        for tiles in candidates:
+        for tiles in tqdm(candidates, desc=f"Pallas tiles at {t} tokens", leave=False):
             pfn = jax.jit(lambda x, counts, tiles=tiles: pallas_gmm(
                 x, w, counts, interpret=interpret, **tiles.kwargs()))
             try:
@@ -142,6 +144,7 @@ def up_projection_rows(bw_tbps: float) -> tuple[list[dict], dict]:
             row["pallas"].append({**tiles.kwargs(), "us": ps * 1e6, "rel_err": err,
                                   "fraction_of_floor": floor / ps,
                                   "fraction_of_gemm_rate": flops / ps / 1e12 / gemm_tflops})
+            print({"tokens": t, **row["pallas"][-1]}, flush=True)
         timed = [p for p in row["pallas"] if "us" in p]
         if timed:
             best = min(timed, key=lambda p: p["us"])
