@@ -52,10 +52,10 @@ def supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
             and head_dim >= 4 and is_power_of_two(head_dim))
 
 
-def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
-            q_out_ref, k_pages_ref, v_pages_ref, *, q_heads: int, kv_heads: int, half: int,
-            num_slots: int):
-    t = pl.program_id(0)
+def rotate_token_q(cos_ref, sin_ref, qkv_ref, q_out_ref, q_heads: int, half: int):
+    """In a program of one token: rotate its `q_heads` query heads into `q_out_ref`; ->
+    `rotated(first, heads)`, the rotated (first half, second half) of another run of its
+    heads (its keys), in the qkv dtype. Shared by the plain and the 8-bit write kernels."""
     c = cos_ref[...][None, :]
     s = sin_ref[...][None, :]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -70,6 +70,15 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
     q1, q2 = rotated(0, q_heads)
     q_out_ref[:, lo] = q1
     q_out_ref[:, hi] = q2
+    return rotated
+
+
+def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in,
+            q_out_ref, k_pages_ref, v_pages_ref, *, q_heads: int, kv_heads: int, half: int,
+            num_slots: int):
+    t = pl.program_id(0)
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    rotated = rotate_token_q(cos_ref, sin_ref, qkv_ref, q_out_ref, q_heads, half)
     k1, k2 = rotated(q_heads, kv_heads)
     slot = slot_ref[t]
 

@@ -28,8 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layer_ops.rope_kv_write import (_rotate, default_num_warps, split_heads,
-                                                    supported)
+from pallas_kernels.layer_ops.rope_kv_write import (_rotate, default_num_warps,
+                                                    rotate_token_q, split_heads, supported)
 from pallas_kernels.paged_attention.paging import resolve_num_warps
 from paxkv.cache import kv_pool, quant
 
@@ -89,20 +89,8 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, _k_pages_in, _v_pages_in, _k_sc
             q_heads: int, kv_heads: int, half: int, num_slots: int, top: float, ulp_bits: int,
             interpret: bool):
     t = pl.program_id(0)
-    c = cos_ref[...][None, :]
-    s = sin_ref[...][None, :]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-
-    def rotated(first: int, heads: int):
-        rows = pl.ds(first, heads)
-        x1 = qkv_ref[rows, lo].astype(jnp.float32)
-        x2 = qkv_ref[rows, hi].astype(jnp.float32)
-        return ((x1 * c - x2 * s).astype(qkv_ref.dtype),
-                (x2 * c + x1 * s).astype(qkv_ref.dtype))
-
-    q1, q2 = rotated(0, q_heads)
-    q_out_ref[:, lo] = q1
-    q_out_ref[:, hi] = q2
+    rotated = rotate_token_q(cos_ref, sin_ref, qkv_ref, q_out_ref, q_heads, half)
     slot = slot_ref[t]
     quantize = functools.partial(
         _quantize, top=top, to_int=jnp.issubdtype(k_pages_ref.dtype, jnp.integer),

@@ -65,9 +65,12 @@ def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
     on_gpu = jax.default_backend() == "gpu"
     if backend not in ("auto", "xla", "pallas"):
         raise ValueError(f"grouped_matmul backend must be auto, xla or pallas, got {backend!r}")
-    tiles = tuning.pick(x.shape[0]) if backend == "auto" and on_gpu else None
     if backend == "pallas":
         tiles = tuning.pick(x.shape[0]) or tuning.Tiles()
+    elif backend == "auto" and on_gpu:
+        tiles = tuning.pick(x.shape[0])
+    else:
+        tiles = None
     if tiles is None:
         return jax.lax.ragged_dot(x, weights, group_sizes,
                                   preferred_element_type=jnp.float32).astype(x.dtype)
